@@ -1,0 +1,130 @@
+"""Paged-KV block bookkeeping: allocation, reference counts and prefix caching by block hash."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from qllm.engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block given the hash of the block before it (the whole prefix counts)."""
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    """Hands out fixed-size KV blocks to sequences.
+
+    A full, computed block is registered under the hash of its tokens and every token before
+    it. When its last user releases it, it stays in the free pool with its contents until the
+    pool needs it, so a later sequence with the same prefix can take it back (a prefix-cache
+    hit). Hits are checked against the stored tokens, so a hash collision can never alias.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _take_free(self, block_id: int | None = None) -> Block:
+        if block_id is None:
+            block_id, _ = self.free.popitem(last=False)  # least recently freed first
+        else:
+            del self.free[block_id]
+        return self.blocks[block_id]
+
+    def admit(self, seq: Sequence) -> None:
+        """Reuse cached blocks for the longest cached prefix of ``seq`` (always leaving at least
+        one token to compute) and set ``seq.num_computed_tokens`` to the tokens they hold."""
+        assert not seq.block_table, f"{seq} already holds blocks"
+        if not self.enable_prefix_caching:
+            return
+        parent = None
+        for start in range(0, (len(seq) - 1) // self.block_size * self.block_size,
+                           self.block_size):
+            tokens = tuple(seq.token_ids[start:start + self.block_size])
+            block_id = self.cached.get(chain_hash(parent, tokens))
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                self._take_free(block_id)
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            parent = block.hash
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+
+    def can_reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        return needed - len(seq.block_table) <= self.num_free_blocks
+
+    def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make room for ``num_new_tokens`` more computed tokens; False (and no change) if the
+        pool lacks the blocks."""
+        if not self.can_reserve(seq, num_new_tokens):
+            return False
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        while len(seq.block_table) < needed:
+            block = self._take_free()
+            self._forget(block)
+            block.ref_count = 1
+            seq.block_table.append(block.block_id)
+        return True
+
+    def _forget(self, block: Block) -> None:
+        if block.hash is not None and self.cached.get(block.hash) == block.block_id:
+            del self.cached[block.hash]
+        block.hash = None
+        block.token_ids = ()
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Register the hashes of ``seq``'s blocks that became full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        parent = None
+        for index in range(num_full):
+            block = self.blocks[seq.block_table[index]]
+            if block.hash is None:
+                start = index * self.block_size
+                tokens = tuple(seq.token_ids[start:start + self.block_size])
+                block_hash = chain_hash(parent, tokens)
+                if block_hash in self.cached:  # another sequence computed the same block
+                    return
+                block.hash, block.token_ids = block_hash, tokens
+                self.cached[block_hash] = block.block_id
+            parent = block.hash
+
+    def release(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; blocks nobody holds go back to the free pool."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} released twice"
+            if block.ref_count == 0:
+                self.free[block_id] = None
+                if block.hash is None:  # nothing worth keeping: hand it out first
+                    self.free.move_to_end(block_id, last=False)
+        seq.block_table = []

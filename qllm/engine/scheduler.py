@@ -1,0 +1,128 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from qllm.cache.registry import CacheRegistry
+from qllm.config import EngineConfig
+from qllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: ``seqs[i]`` computes ``num_tokens[i]`` tokens from its
+    ``num_computed_tokens``. A prefill step may mix new and chunked prompts; a decode step
+    computes exactly one token per sequence."""
+
+    seqs: list[Sequence]
+    num_tokens: list[int]
+    is_prefill: bool
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    """FCFS scheduler with chunked prefill and preemption by recompute.
+
+    Each step is a prefill step when some prompt still needs computing and fits, otherwise a
+    decode step over every running sequence. When the cache cannot grow a running sequence, the
+    most recently admitted sequence is preempted: its cache is freed and it returns to the head
+    of the queue, to be recomputed (prompt plus generated tokens) when there is room.
+    """
+
+    def __init__(self, config: EngineConfig, cache: CacheRegistry):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.chunked_prefill = config.enable_chunked_prefill
+        self.cache = cache
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        """The next step's batch, or None when nothing can run."""
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        seqs, counts = [], []
+        budget = self.max_num_batched_tokens
+        # Prompts admitted but only partly computed (chunked prefill) continue first.
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status == SequenceStatus.RUNNING and seq.num_uncomputed_tokens > 1:
+                n = min(seq.num_uncomputed_tokens, budget)
+                if self._reserve_or_preempt(seq, n):
+                    seqs.append(seq)
+                    counts.append(n)
+                    budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.cache.admit(seq):
+                break
+            n = seq.num_uncomputed_tokens
+            if n > budget and not self.chunked_prefill and seqs:
+                self.cache.release(seq)  # the whole prompt goes in a later step
+                break
+            n = min(n, budget) if self.chunked_prefill else n
+            if not self.cache.reserve(seq, n):
+                self.cache.release(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return ScheduledBatch(seqs, counts, is_prefill=True) if seqs else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        scheduled = [seq for seq in list(self.running)
+                     if seq.status == SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1
+                     and self._reserve_or_preempt(seq, 1)]
+        return ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False) \
+            if scheduled else None
+
+    def _reserve_or_preempt(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Reserve room for ``seq``, preempting later-admitted sequences while that is needed.
+        With nobody left to preempt, ``seq`` itself is preempted and False returned."""
+        while not self.cache.reserve(seq, num_new_tokens):
+            victim = self._latest_running(exclude=seq)
+            if victim is None:
+                self._preempt(seq)
+                return False
+            self._preempt(victim)
+        return True
+
+    def _latest_running(self, exclude: Sequence) -> Sequence | None:
+        for seq in reversed(self.running):
+            if seq is not exclude:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.cache.release(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire ``seq`` (stop condition or abort) and free its cache."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.cache.release(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

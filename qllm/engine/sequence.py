@@ -1,0 +1,68 @@
+"""One request's tokens and progress through the engine."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+from qllm.config import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A request: its prompt, generated tokens, and how much of it the cache holds.
+
+    ``num_computed_tokens`` counts tokens whose KV/recurrent state is in the cache. Each step
+    computes ``token_ids[num_computed_tokens : num_computed_tokens + n]``; once every token is
+    computed the model samples the next one. Preemption resets ``num_computed_tokens`` to 0 and
+    keeps the generated tokens, which are recomputed with the prompt on readmission.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 request_id: str | None = None):
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+        self.block_table: list[int] = []
+        self.recurrent_slot: int | None = None
+        self.finish_reason: str | None = None
+        self.output_text = ""
+        self.num_preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, status={self.status.value}, len={len(self)}, "
+                f"computed={self.num_computed_tokens})")

@@ -1,0 +1,56 @@
+"""Every hook a qllm plugin can implement.
+
+Plugins are discovered through the ``qllm`` entry-point group; each entry point names a module
+(or object) holding ``@hookimpl`` functions. The core's own cache kinds, layer kinds and
+plain-torch kernels register through these same hooks (see ``qllm/builtins.py``).
+
+Collecting hooks return lists of small frozen specs (``qllm.specs``). All of them are called
+once, when the engine is built; ``forward`` never consults the plugin manager.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT_NAME = "qllm"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def qllm_models():
+    """Return a list of ``ModelSpec``: HF ``architectures`` strings and the builder for each.
+
+    Called once when an ``LLM`` resolves ``config.json``'s ``architectures``. Two plugins
+    serving the same architecture string is an error.
+    """
+
+
+@hookspec
+def qllm_cache_kinds():
+    """Return a list of ``CacheKindSpec``: named per-sequence memory kinds.
+
+    A cache kind owns one pool (KV blocks, recurrent slots...), sized by the cache registry
+    from the layers that need it, and tells the scheduler whether a sequence fits. Called once
+    per engine. Built in: ``paged_kv`` and ``recurrent_slot``.
+    """
+
+
+@hookspec
+def qllm_layer_kinds():
+    """Return a list of ``LayerKindSpec``: which cache kind a kind of layer reads and writes.
+
+    Built in: ``full_attention`` -> ``paged_kv``, ``linear_attention`` -> ``recurrent_slot``.
+    Called once per engine, before the cache registry sizes its pools.
+    """
+
+
+@hookspec
+def qllm_kernels():
+    """Return a list of ``KernelSpec``: implementations of named ops.
+
+    For each op the highest-priority implementation whose ``is_available(device, dtype)`` is
+    true is chosen once, when the model is built. The core registers plain-torch reference
+    kernels at priority 0; GPU plugins register faster ones at higher priority.
+    """

@@ -1,0 +1,63 @@
+"""Plain-torch reference kernels for paged attention (CPU-correct; the GPU kernels' oracle).
+
+Cache layout, per full-attention layer: ``k_cache`` / ``v_cache`` ``[num_blocks + 1, block_size,
+kv_heads, head_dim]``. Token ``p`` of a sequence lives in block ``block_tables[i, p // block_size]``
+at offset ``p % block_size``; its flat entry is ``block * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qllm.runner.batch import ForwardBatch
+
+
+def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write new keys/values ``[T, kv_heads, head_dim]`` to their flat entries ``[T]``."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """``[num_blocks + 1, bs, H, D]`` pages listed in ``block_table [..., W]`` ->
+    ``[..., W * bs, H, D]``."""
+    pages = cache[block_table]  # [..., W, bs, H, D]
+    return pages.flatten(-4, -3)
+
+
+def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            batch: ForwardBatch, scale: float) -> torch.Tensor:
+    """Causal attention of new tokens ``q [T, Hq, D]`` over each sequence's cached prefix and
+    themselves (the new K/V must already be stored). Returns ``[T, Hq, D]``."""
+    out = torch.empty_like(q)
+    starts = batch.query_start_loc.tolist()
+    for i, (query_len, seq_len) in enumerate(zip(batch.query_lens_host, batch.seq_lens_host)):
+        start = starts[i]
+        num_blocks = -(-seq_len // k_cache.shape[1])
+        table = batch.block_tables[i, :num_blocks]
+        k = _gather_pages(k_cache, table)[:seq_len]  # [S, Hkv, D]
+        v = _gather_pages(v_cache, table)[:seq_len]
+        context = seq_len - query_len
+        query_pos = torch.arange(query_len, device=q.device)[:, None] + context
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos  # [Q, S]
+        out[start:start + query_len] = F.scaled_dot_product_attention(
+            q[start:start + query_len].transpose(0, 1), k.transpose(0, 1).to(q.dtype),
+            v.transpose(0, 1).to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True,
+        ).transpose(0, 1)
+    return out
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           batch: ForwardBatch, scale: float) -> torch.Tensor:
+    """One query per sequence, ``q [B, Hq, D]``, over its first ``seq_lens[i]`` cached tokens.
+    Tensor-only (no host sync), so it can be captured in a CUDA graph. Returns ``[B, Hq, D]``."""
+    k = _gather_pages(k_cache, batch.block_tables).to(q.dtype)  # [B, S, Hkv, D]
+    v = _gather_pages(v_cache, batch.block_tables).to(q.dtype)
+    positions = torch.arange(k.shape[1], device=q.device)
+    mask = positions[None, :] < batch.seq_lens[:, None]  # [B, S]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)  # [B, Hq, 1, D]
+    return out[:, :, 0, :]

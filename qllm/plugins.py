@@ -1,0 +1,116 @@
+"""The plugin manager: loads ``qllm`` entry points and collects what they register."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Iterable
+
+import pluggy
+import torch
+
+from qllm import hookspecs
+from qllm.specs import CacheKindSpec, KernelSpec, LayerKindSpec, ModelSpec
+
+
+class DuplicateRegistrationError(ValueError):
+    """Two plugins registered the same name for a model, cache kind, layer kind or kernel."""
+
+
+class UnknownArchitectureError(ValueError):
+    """No installed plugin serves a checkpoint's architecture."""
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernels chosen for one model: ``kernels.<op>(...)`` calls the winner for that op."""
+
+    chosen: dict[str, KernelSpec]
+
+    def __getattr__(self, op: str):
+        try:
+            return self.chosen[op].fn
+        except KeyError:
+            raise AttributeError(f"no kernel registered for op {op!r}") from None
+
+    def names(self) -> dict[str, str]:
+        """Which implementation serves each op, for logs."""
+        return {op: spec.name for op, spec in sorted(self.chosen.items())}
+
+
+def _unique(items: Iterable, key, what: str) -> dict:
+    found: dict = {}
+    for item in items:
+        name = key(item)
+        if name in found:
+            raise DuplicateRegistrationError(f"{what} {name!r} is registered twice "
+                                             f"({found[name]!r} and {item!r})")
+        found[name] = item
+    return found
+
+
+class PluginRegistry:
+    """Everything registered by the built-ins and the installed plugins."""
+
+    def __init__(self, extra_plugins: Iterable[object] = (), load_entry_points: bool = True):
+        from qllm import builtins
+
+        self.manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self.manager.add_hookspecs(hookspecs)
+        self.manager.register(builtins, name="qllm.builtins")
+        if load_entry_points:
+            self.manager.load_setuptools_entrypoints(hookspecs.PROJECT_NAME)
+        for plugin in extra_plugins:
+            self.manager.register(plugin)
+
+    def _collect(self, hook) -> list:
+        return [spec for specs in hook() for spec in specs]
+
+    @functools.cached_property
+    def models(self) -> dict[str, ModelSpec]:
+        return _unique(self._collect(self.manager.hook.qllm_models),
+                       lambda spec: spec.architecture, "architecture")
+
+    @functools.cached_property
+    def cache_kinds(self) -> dict[str, CacheKindSpec]:
+        return _unique(self._collect(self.manager.hook.qllm_cache_kinds),
+                       lambda spec: spec.name, "cache kind")
+
+    @functools.cached_property
+    def layer_kinds(self) -> dict[str, LayerKindSpec]:
+        return _unique(self._collect(self.manager.hook.qllm_layer_kinds),
+                       lambda spec: spec.name, "layer kind")
+
+    def model_spec(self, architectures: list[str]) -> ModelSpec:
+        """The spec serving the first of ``architectures`` that some plugin serves."""
+        for arch in architectures:
+            if arch in self.models:
+                return self.models[arch]
+        served: dict[str, list[str]] = {}
+        for spec in self.models.values():
+            served.setdefault(spec.plugin, []).append(spec.architecture)
+        listing = "; ".join(f"{plugin}: {', '.join(sorted(archs))}"
+                            for plugin, archs in sorted(served.items())) or "none"
+        raise UnknownArchitectureError(
+            f"no installed qllm plugin serves architectures {architectures}. "
+            f"Installed plugins and what they serve: {listing}. "
+            f"Install the plugin for this model (e.g. `pip install qllm-qwen3`).")
+
+    def kernels(self, device: torch.device, dtype: torch.dtype) -> Kernels:
+        """Choose, per op, the highest-priority kernel available on ``device`` for ``dtype``."""
+        by_op: dict[str, list[KernelSpec]] = {}
+        for spec in self._collect(self.manager.hook.qllm_kernels):
+            by_op.setdefault(spec.op, []).append(spec)
+        chosen = {}
+        for op, specs in by_op.items():
+            _unique(specs, lambda spec: spec.name, f"kernel for op {op!r}")
+            available = [s for s in specs if s.is_available(device, dtype)]
+            if available:
+                chosen[op] = max(available, key=lambda s: s.priority)
+        return Kernels(chosen)
+
+
+@functools.lru_cache(maxsize=1)
+def default_registry() -> PluginRegistry:
+    """The registry of the built-ins plus every installed plugin, loaded once per process."""
+    return PluginRegistry()

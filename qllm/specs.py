@@ -1,0 +1,82 @@
+"""The small frozen records that plugins hand to the core through the hooks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One HF architecture string and how to build it.
+
+    ``build(hf_config, kernels) -> torch.nn.Module`` is called under a meta/target device
+    context; the module follows ``qllm.model_api.CausalLM``.
+    """
+
+    architecture: str
+    build: Callable[..., torch.nn.Module]
+    plugin: str
+
+
+@dataclass(frozen=True)
+class CacheKindSpec:
+    """A named cache kind; ``factory(layers, engine_config, device)`` builds its pool.
+
+    ``bytes_per_unit(layers)`` gives the memory one unit (a block, a slot) costs across all
+    ``layers`` that use the kind, so the registry can size pools before allocating.
+    ``fixed_units(engine_config)`` returns the unit count when the kind is not sized from
+    the leftover memory budget (recurrent slots: one per running sequence), else ``None``.
+    """
+
+    name: str
+    factory: Callable[..., Any]
+    bytes_per_unit: Callable[..., int]
+    fixed_units: Callable[..., int | None]
+
+
+@dataclass(frozen=True)
+class LayerKindSpec:
+    """A kind of layer and the cache kind it needs."""
+
+    name: str
+    cache_kind: str
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One implementation of a named op.
+
+    ``is_available(device: torch.device, dtype: torch.dtype) -> bool`` decides whether it can
+    run; among available ones the highest ``priority`` wins.
+    """
+
+    op: str
+    name: str
+    fn: Callable[..., Any]
+    priority: int = 0
+    is_available: Callable[[torch.device, torch.dtype], bool] = lambda device, dtype: True
+
+
+@dataclass(frozen=True)
+class CacheRequirement:
+    """What one layer needs from its cache kind, per unit of that kind.
+
+    For ``full_attention``: one entry per token, ``{"k": (kv_heads, head_dim), "v": ...}``.
+    For ``linear_attention``: one entry per sequence slot, ``{"conv": ..., "ssm": ...}``.
+    """
+
+    layer_kind: str
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
+
+    def bytes_per_entry(self) -> int:
+        total = 0
+        for key, shape in self.shapes.items():
+            numel = 1
+            for size in shape:
+                numel *= size
+            total += numel * self.dtypes[key].itemsize
+        return total
