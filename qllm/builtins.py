@@ -5,7 +5,7 @@ from __future__ import annotations
 from qllm.cache.paged_kv import PagedKVPool, bytes_per_block
 from qllm.cache.recurrent_slots import RecurrentSlotPool, bytes_per_slot
 from qllm.hookspecs import hookimpl
-from qllm.ops import attention
+from qllm.ops import attention, gdn
 from qllm.specs import CacheKindSpec, KernelSpec, LayerKindSpec
 
 
@@ -43,4 +43,8 @@ def qllm_kernels():
                    fn=attention.paged_attention_prefill),
         KernelSpec(op="paged_attention_decode", name="torch",
                    fn=attention.paged_attention_decode),
+        KernelSpec(op="causal_conv1d_prefill", name="torch", fn=gdn.causal_conv1d_prefill),
+        KernelSpec(op="causal_conv1d_update", name="torch", fn=gdn.causal_conv1d_update),
+        KernelSpec(op="gdn_prefill", name="torch", fn=gdn.gdn_prefill),
+        KernelSpec(op="gdn_decode", name="torch", fn=gdn.gdn_decode),
     ]
