@@ -12,8 +12,8 @@ import torch
 class ModelSpec:
     """One HF architecture string and how to build it.
 
-    ``build(hf_config, kernels) -> torch.nn.Module`` is called under a meta/target device
-    context; the module follows ``qllm.model_api.CausalLM``.
+    ``build(hf_config, kernels, engine_config) -> CausalLM`` is called on the meta device;
+    the core then materialises the module on the target device and loads its weights.
     """
 
     architecture: str

@@ -39,7 +39,10 @@ class Sequence:
         self.recurrent_slot: int | None = None
         self.finish_reason: str | None = None
         self.output_text = ""
+        self.detokenizer = None  # an IncrementalDetokenizer when text is needed while running
+        self.last_text_delta_len = 0
         self.num_preemptions = 0
+        self.generator = None  # a torch.Generator when sampling_params.seed is set
 
     def __len__(self) -> int:
         return len(self.token_ids)

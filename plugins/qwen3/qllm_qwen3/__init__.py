@@ -1,0 +1,1 @@
+"""qllm plugin for dense Qwen3 models."""

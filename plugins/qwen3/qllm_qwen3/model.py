@@ -1,0 +1,123 @@
+"""Dense Qwen3: GQA attention with per-head q/k RMSNorm and full RoPE, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qllm.config import EngineConfig
+from qllm.layers.activation import silu_and_mul
+from qllm.layers.attention import PagedAttention
+from qllm.layers.embedding import LMHead
+from qllm.layers.linear import PackedLinear
+from qllm.layers.norm import RMSNorm
+from qllm.layers.rotary import RotaryEmbedding, rope_theta
+from qllm.model_api import CausalLM
+from qllm.plugins import Kernels
+from qllm.runner.batch import ForwardBatch
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config, kernels: Kernels, cache_dtype: torch.dtype):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or \
+            config.hidden_size // config.num_attention_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_size, "k": kv_size,
+                                                          "v": kv_size},
+                                     bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, self.head_dim,
+                                          config.max_position_embeddings, rope_theta(config))
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, kernels,
+                                   cache_dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim)))     # [T, Hq, D]
+        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))  # [T, Hkv, D]
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, batch)                                       # [T, Hq, D]
+        return self.o_proj(out.flatten(-2))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_up_proj = PackedLinear(config.hidden_size,
+                                         {"gate": config.intermediate_size,
+                                          "up": config.intermediate_size})
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config, kernels: Kernels, cache_dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = Qwen3Attention(config, kernels, cache_dtype)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, batch):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config, kernels: Kernels, cache_dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, kernels, cache_dtype)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, batch):
+        hidden, residual = self.embed_tokens(input_ids), None  # [T, H]
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen3ForCausalLM(CausalLM):
+    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
+                      "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", "gate"),
+                      "up_proj": ("gate_up_proj", "up")}
+
+    def __init__(self, config, kernels: Kernels, engine_config: EngineConfig):
+        super().__init__()
+        if getattr(config, "use_sliding_window", False):
+            raise NotImplementedError("Qwen3 sliding-window attention is not supported")
+        self.config = config
+        self.model = Qwen3Model(config, kernels, engine_config.dtype)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def checkpoint_name(self, name: str) -> str | None:
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None  # the embedding serves as the head
+        return name
+
+    def forward(self, input_ids, positions, batch):
+        return self.model(input_ids, positions, batch)
+
+    def compute_logits(self, hidden):
+        return self.lm_head(hidden)

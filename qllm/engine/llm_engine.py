@@ -1,0 +1,173 @@
+"""``LLMEngine``: requests in, tokens out, one scheduler step at a time."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+
+from qllm.cache.registry import CacheRegistry
+from qllm.config import EngineConfig, SamplingParams
+from qllm.engine.detokenizer import IncrementalDetokenizer
+from qllm.engine.scheduler import Scheduler
+from qllm.engine.sequence import Sequence
+from qllm.engine.stop import check_stop
+from qllm.model_builder import build_model, load_hf_config
+from qllm.plugins import PluginRegistry, default_registry
+from qllm.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Owns the model runner, the cache registry and the scheduler of one model.
+
+    ``add_request`` validates and queues a request; each ``step`` runs one batch and returns
+    the sequences that advanced. Bad requests raise ``ValueError`` before anything is queued,
+    so the engine stays usable.
+    """
+
+    def __init__(self, config: EngineConfig, plugins: PluginRegistry | None = None):
+        self.plugins = plugins or default_registry()
+        if not os.path.isdir(config.model):
+            raise FileNotFoundError(f"model directory {config.model!r} does not exist")
+        hf_config = load_hf_config(config.model, self.plugins)
+        self.hf_config = hf_config
+        text_config = hf_config.get_text_config()
+        self.vocab_size = text_config.vocab_size
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available()
+                                                     else "cpu"))
+        config.dtype = config.dtype or default_dtype(text_config, self.device)
+        max_positions = text_config.max_position_embeddings
+        if config.max_model_len is None:
+            config.max_model_len = max_positions
+        elif config.max_model_len > max_positions:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={max_positions}")
+        self.config = config
+        self.model = build_model(config, hf_config, self.plugins, self.device)
+        self.cache = CacheRegistry(self.model, self.plugins, config, self.device)
+        self.scheduler = Scheduler(config, self.cache)
+        self.runner = ModelRunner(self.model, config, self.cache, self.device, self.vocab_size)
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = eos_token_ids(config.model, text_config, self.tokenizer)
+        self.sequences: dict[str, Sequence] = {}
+
+    # ----------------------------------------------------------------- requests
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of ``prompt`` (a string, or token ids checked against the vocabulary)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.config.model} has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not isinstance(prompt, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("a prompt must be a string or a list of integer token ids")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        return list(prompt)
+
+    def validate(self, token_ids: list[int]) -> None:
+        """Raise ``ValueError`` if a tokenized prompt cannot be served."""
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.config.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is "
+                             f"{self.config.max_model_len}: no room to generate")
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams,
+                    request_id: str | None = None, stream_text: bool = False) -> Sequence:
+        """Queue one request; with ``stream_text`` its ``output_text`` grows every step."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, "
+                            f"got {type(sampling_params).__name__}")
+        token_ids = self.tokenize(prompt)
+        self.validate(token_ids)
+        if request_id is not None and request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(token_ids, sampling_params, request_id)
+        if sampling_params.seed is not None:
+            seq.generator = torch.Generator(self.device).manual_seed(sampling_params.seed)
+        if (stream_text or sampling_params.stop) and self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        self.sequences[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its cache; unknown or finished ids are ignored."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----------------------------------------------------------------- stepping
+    def step(self) -> list[Sequence]:
+        """Run one batch; returns the sequences that got a token (finished ones included)."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        tokens = self.runner.run(batch)
+        advanced = []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+            self.cache.register_computed(seq)
+            token = tokens.get(seq.seq_id)
+            if token is None:
+                continue
+            seq.append_token(token)
+            if seq.detokenizer is not None:
+                delta = seq.detokenizer.step(seq.output_token_ids)
+                seq.output_text, seq.last_text_delta_len = seq.detokenizer.text, len(delta)
+            reason = check_stop(seq, self.eos_token_ids, self.config.max_model_len)
+            if reason is not None:
+                self._finish(seq, reason)
+            advanced.append(seq)
+        return advanced
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.sequences.pop(seq.request_id, None)
+        if seq.detokenizer is None and self.tokenizer is not None:
+            seq.output_text = self.tokenizer.decode(seq.output_token_ids,
+                                                    skip_special_tokens=True)
+
+
+def default_dtype(text_config, device: torch.device) -> torch.dtype:
+    """fp32 on CPU; on GPU the checkpoint's half-precision dtype, else bfloat16."""
+    if device.type == "cpu":
+        return torch.float32
+    dtype = getattr(text_config, "dtype", None)
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def load_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer, or None when the directory has none."""
+    if not any(os.path.exists(os.path.join(model_dir, name))
+               for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def eos_token_ids(model_dir: str, text_config, tokenizer) -> set[int]:
+    """EOS ids from generation_config.json, else the config, else the tokenizer."""
+    path = os.path.join(model_dir, "generation_config.json")
+    value = None
+    if os.path.exists(path):
+        with open(path) as f:
+            value = json.load(f).get("eos_token_id")
+    if value is None:
+        value = getattr(text_config, "eos_token_id", None)
+    if value is None and tokenizer is not None:
+        value = tokenizer.eos_token_id
+    if value is None:
+        return set()
+    return set(value) if isinstance(value, (list, tuple)) else {value}

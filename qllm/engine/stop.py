@@ -1,0 +1,30 @@
+"""Stop conditions checked after every sampled token."""
+
+from __future__ import annotations
+
+from qllm.engine.sequence import Sequence
+
+
+def check_stop(seq: Sequence, eos_token_ids: set[int], max_model_len: int) -> str | None:
+    """The finish reason ("stop" or "length") if ``seq`` must stop now, else None.
+
+    Stop strings are checked against ``seq.output_text``; on a match the text is cut before the
+    stop string (as OpenAI does) and the sequence stops.
+    """
+    params = seq.sampling_params
+    token = seq.token_ids[-1]
+    if not params.ignore_eos and token in eos_token_ids:
+        return "stop"
+    if token in params.stop_token_ids:
+        return "stop"
+    if params.stop:
+        # Only the tail can hold a new match: the text before it was checked already.
+        search_from = max(0, len(seq.output_text) - seq.last_text_delta_len
+                          - max(len(s) for s in params.stop))
+        hits = [i for i in (seq.output_text.find(s, search_from) for s in params.stop) if i >= 0]
+        if hits:
+            seq.output_text = seq.output_text[:min(hits)]
+            return "stop"
+    if seq.num_output_tokens >= params.max_tokens or len(seq) >= max_model_len:
+        return "length"
+    return None

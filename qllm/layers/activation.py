@@ -1,0 +1,12 @@
+"""Gated activations."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``[..., 2 * I]`` laid out ``[gate | up]`` -> ``silu(gate) * up``, ``[..., I]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,50 @@
+"""The paged full-attention layer: stores new K/V in its pages and attends over them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qllm.plugins import Kernels
+from qllm.runner.batch import ForwardBatch
+from qllm.specs import CacheRequirement
+
+
+class PagedAttention(nn.Module):
+    """Attention of ``[T, Hq, D]`` queries over the ``paged_kv`` cache of this layer.
+
+    Its storage (``k_cache``/``v_cache``) is attached once by the cache registry; until then
+    the layer cannot run. Kernels are chosen when the model is built.
+    """
+
+    layer_kind = "full_attention"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernels: Kernels,
+                 cache_dtype: torch.dtype):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({num_kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.cache_dtype = cache_dtype
+        self._store = kernels.kv_store
+        self._prefill = kernels.paged_attention_prefill
+        self._decode = kernels.paged_attention_decode
+
+    def cache_requirement(self) -> CacheRequirement:
+        shape = (self.num_kv_heads, self.head_dim)
+        return CacheRequirement(self.layer_kind, {"k": shape, "v": shape},
+                                {"k": self.cache_dtype, "v": self.cache_dtype})
+
+    def attach_cache(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.register_buffer("k_cache", tensors["k"], persistent=False)
+        self.register_buffer("v_cache", tensors["v"], persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """``q [T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` -> ``[T, Hq, D]``."""
+        self._store(self.k_cache, self.v_cache, k, v, batch.slot_mapping)
+        if batch.is_prefill:
+            return self._prefill(q, self.k_cache, self.v_cache, batch, self.scale)
+        return self._decode(q, self.k_cache, self.v_cache, batch, self.scale)

@@ -1,0 +1,35 @@
+"""RMSNorm in its two Qwen flavours, with an optional fused residual add."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``x_hat * w`` (Qwen3) or, with ``zero_centered``, ``x_hat * (1 + w)`` (Qwen3.5/Next),
+    normalised in fp32 and cast back, as transformers does.
+
+    Called with a ``residual``, adds it first and returns ``(normed, new_residual)``.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, zero_centered: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if zero_centered
+                                   else torch.ones(hidden_size))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (x * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * x.to(dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

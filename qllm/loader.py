@@ -1,0 +1,118 @@
+"""Build a model from a checkpoint directory: safetensors (single or sharded) or dummy weights."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
+
+from qllm.layers.linear import default_weight_loader
+from qllm.model_api import CausalLM
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, or does not fit the model."""
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    """The safetensors files of a checkpoint, from its index when sharded."""
+    index_path = os.path.join(model_dir, INDEX_FILE)
+    if os.path.exists(index_path):
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index_path} is not a valid safetensors index: {exc}") from exc
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.exists(os.path.join(model_dir, f))]
+        if missing:
+            raise CheckpointError(f"{index_path} lists shards that do not exist: {missing}")
+        return [os.path.join(model_dir, f) for f in files]
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {model_dir} "
+                              f"(pass load_format='dummy' for random weights)")
+    return [os.path.join(model_dir, f) for f in files]
+
+
+def iterate_checkpoint(files: list[str], device: torch.device,
+                       progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor, read straight onto ``device``."""
+    for path in tqdm(files, desc="Loading safetensors", unit="file",
+                     disable=not progress or len(files) < 2):
+        try:
+            with safe_open(path, framework="pt", device=str(device)) as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise CheckpointError(f"cannot read {path}: it is corrupt or truncated ({exc})") \
+                from exc
+
+
+def load_weights(model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into ``model``; every parameter must be filled exactly once."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    expected = set()
+    for name in params:
+        owner = modules[name.rpartition(".")[0]]
+        shards = getattr(owner, "shard_offsets", None) or [None]
+        expected |= {(name, shard) for shard in shards}
+    loaded: set[tuple[str, str | None]] = set()
+    skipped = 0
+    for ckpt_name, tensor in weights:
+        name = model.checkpoint_name(ckpt_name)
+        if name is None:
+            skipped += 1
+            continue
+        name, shard = _apply_packing(model, name)
+        param = params.get(name)
+        if param is None:
+            raise CheckpointError(f"unexpected tensor {ckpt_name!r} in the checkpoint: the model "
+                                  f"has no parameter {name!r}")
+        owner = modules[name.rpartition(".")[0]]
+        try:
+            if shard is None:
+                getattr(owner, "weight_loader", default_weight_loader)(param, tensor)
+            else:
+                owner.weight_loader(param, tensor, shard)
+        except ValueError as exc:
+            raise CheckpointError(f"tensor {ckpt_name!r}: {exc}") from exc
+        loaded.add((name, shard))
+    missing = sorted(f"{n}" + (f" ({s} shard)" if s else "") for n, s in expected - loaded)
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs: "
+                              f"{', '.join(missing[:10])}" + (" ..." if len(missing) > 10 else ""))
+    if skipped:
+        logger.info("skipped %d checkpoint tensors the model does not use", skipped)
+
+
+def _apply_packing(model: CausalLM, name: str) -> tuple[str, str | None]:
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in model.packed_modules:
+            fused, shard = model.packed_modules[part]
+            return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard
+    return name, None
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Deterministic random weights (as vLLM's ``--load-format dummy``): matrices ~ N(0, 0.02),
+    vectors (norms, biases, gates) ~ 1 + U(-0.01, 0.01) — enough for speed runs at real
+    geometry without a checkpoint."""
+    for index, (name, param) in enumerate(sorted(model.named_parameters())):
+        generator = torch.Generator(device=param.device).manual_seed(seed * 100003 + index)
+        if param.dim() >= 2:
+            param.normal_(0.0, 0.02, generator=generator)
+        else:
+            param.uniform_(0.99, 1.01, generator=generator)

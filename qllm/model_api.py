@@ -1,0 +1,46 @@
+"""The contract between the core and a model plugin's ``nn.Module``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qllm.runner.batch import ForwardBatch
+
+
+class CausalLM(nn.Module):
+    """Base class for models served by plugins.
+
+    A model keeps HF parameter names. The loader maps each checkpoint tensor through
+    ``checkpoint_name`` (``None`` skips it) and ``packed_modules`` (HF projection name ->
+    ``(fused parameter name, shard)``, e.g. ``"q_proj": ("qkv_proj", "q")``). Modules that hold
+    a cache declare ``layer_kind``, ``cache_requirement()`` and ``attach_cache(tensors)``.
+    """
+
+    packed_modules: dict[str, tuple[str, str]] = {}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """``input_ids``/``positions`` ``[T]`` -> final hidden states ``[T, H]``."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, H]`` -> fp32 logits ``[N, V]``."""
+        raise NotImplementedError
+
+    def cache_layers(self) -> list[nn.Module]:
+        """Every submodule that needs a cache kind, in layer order."""
+        return [m for m in self.modules() if hasattr(m, "layer_kind")]
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The model's parameter name for a checkpoint tensor name; ``None`` to skip it."""
+        return name
+
+    def tie_weights(self) -> None:
+        """Re-point tied parameters after materialisation (``to_empty`` unties them)."""
+
+    def reset_derived_buffers(self) -> None:
+        """Recompute buffers that are derived rather than loaded (rotary tables...)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_derived_buffers"):
+                module.reset_derived_buffers()

@@ -1,0 +1,60 @@
+"""From a checkpoint directory to a loaded model on its device."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+
+from qllm.config import EngineConfig
+from qllm.loader import checkpoint_files, init_dummy_weights, iterate_checkpoint, load_weights
+from qllm.model_api import CausalLM
+from qllm.plugins import PluginRegistry
+
+logger = logging.getLogger(__name__)
+
+
+def read_architectures(model_dir: str) -> list[str]:
+    """``architectures`` from ``config.json``, with a clear error when it is missing or bad."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{model_dir} has no config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    architectures = raw.get("architectures")
+    if not architectures or not isinstance(architectures, list):
+        raise ValueError(f"{path} has no 'architectures' list; cannot tell which model it is")
+    return architectures
+
+
+def load_hf_config(model_dir: str, plugins: PluginRegistry):
+    """The transformers config, after checking that some plugin serves its architecture."""
+    plugins.model_spec(read_architectures(model_dir))
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def build_model(config: EngineConfig, hf_config, plugins: PluginRegistry,
+                device: torch.device) -> CausalLM:
+    """Build on the meta device, materialise on ``device`` in ``config.dtype``, then load the
+    checkpoint (or dummy weights) straight into the device tensors."""
+    spec = plugins.model_spec(hf_config.architectures)
+    kernels = plugins.kernels(device, config.dtype)
+    logger.info("building %s from %s with kernels %s", spec.architecture, spec.plugin,
+                kernels.names())
+    with torch.device("meta"):
+        model = spec.build(hf_config, kernels, config)
+    model = model.to(config.dtype).to_empty(device=device)
+    model.tie_weights()
+    model.reset_derived_buffers()
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)
+    else:
+        load_weights(model, iterate_checkpoint(checkpoint_files(config.model), device))
+    return model.eval()

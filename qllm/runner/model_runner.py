@@ -1,0 +1,174 @@
+"""Runs one scheduled step: builds its ``ForwardBatch``, runs the model, samples tokens."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from qllm.cache.registry import CacheRegistry
+from qllm.config import EngineConfig
+from qllm.engine.scheduler import ScheduledBatch
+from qllm.engine.sequence import Sequence
+from qllm.layers.sampler import SamplingTensors, sample
+from qllm.model_api import CausalLM
+from qllm.runner.batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Owns the model and turns scheduled batches into sampled tokens.
+
+    Prefill runs eagerly. Decode runs through ``torch.compile(mode="reduce-overhead")`` on
+    CUDA (CUDA graphs, one per padded batch-size bucket, captured at start-up) unless
+    ``enforce_eager``; on CPU it runs eagerly unless ``compile_on_cpu``. A decode batch larger
+    than the largest bucket runs eagerly.
+    """
+
+    def __init__(self, model: CausalLM, config: EngineConfig, cache: CacheRegistry,
+                 device: torch.device, vocab_size: int):
+        self.model = model
+        self.config = config
+        self.cache = cache
+        self.device = device
+        self.vocab_size = vocab_size
+        self.block_size = config.block_size
+        self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        kv = cache.pools.get("paged_kv")
+        self.padding_block = kv.padding_block if kv is not None else 0
+        slots = cache.pools.get("recurrent_slot")
+        self.padding_slot = slots.padding_slot if slots is not None else 0
+        self.compiled_decode = None
+        self.graph_sizes: tuple[int, ...] = ()
+        use_compile = not config.enforce_eager and (device.type == "cuda" or config.compile_on_cpu)
+        if use_compile:
+            self._compile_decode()
+
+    # ----------------------------------------------------------------- batch metadata
+    def _tensor(self, values, dtype) -> torch.Tensor:
+        pinned = self.device.type == "cuda"
+        return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(self.device,
+                                                                        non_blocking=True)
+
+    def prepare(self, scheduled: ScheduledBatch, pad_to: int | None = None,
+                table_width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+        """Inputs ``[T]``, positions ``[T]`` and the ``ForwardBatch`` of a step, padded with
+        inert rows up to ``pad_to`` sequences (decode only)."""
+        input_ids, positions, slot_mapping = [], [], []
+        query_start_loc, seq_lens, context_lens, logits_indices = [0], [], [], []
+        for seq, n in zip(scheduled.seqs, scheduled.num_tokens):
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            for pos in range(start, start + n):
+                slot_mapping.append(seq.block_table[pos // self.block_size] * self.block_size
+                                    + pos % self.block_size if seq.block_table else 0)
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(start + n)
+            context_lens.append(start)
+            if start + n == len(seq):
+                logits_indices.append(query_start_loc[-1] - 1)
+        tables = [seq.block_table for seq in scheduled.seqs]
+        slots = [seq.recurrent_slot if seq.recurrent_slot is not None else self.padding_slot
+                 for seq in scheduled.seqs]
+        has_initial_state = [c > 0 for c in context_lens]
+        for _ in range(len(scheduled), pad_to or 0):  # inert rows for a CUDA-graph bucket
+            input_ids.append(0)
+            positions.append(0)
+            slot_mapping.append(self.padding_block * self.block_size)
+            query_start_loc.append(query_start_loc[-1] + 1)
+            seq_lens.append(1)
+            context_lens.append(0)
+            tables.append([self.padding_block])
+            slots.append(self.padding_slot)
+            has_initial_state.append(False)
+        query_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
+        width = table_width or max(len(t) for t in tables) or 1
+        tables = [t + [self.padding_block] * (width - len(t)) for t in tables]
+        batch = ForwardBatch(
+            is_prefill=scheduled.is_prefill,
+            query_start_loc=self._tensor(query_start_loc, torch.int32),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            context_lens=self._tensor(context_lens, torch.int32),
+            block_tables=self._tensor(tables, torch.int32),
+            slot_mapping=self._tensor(slot_mapping, torch.int64),
+            recurrent_slots=self._tensor(slots, torch.int64),
+            has_initial_state=self._tensor(has_initial_state, torch.bool),
+            logits_indices=self._tensor(logits_indices, torch.int64),
+            query_lens_host=query_lens if scheduled.is_prefill else None,
+            seq_lens_host=seq_lens if scheduled.is_prefill else None,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), batch
+
+    # ----------------------------------------------------------------- forward
+    def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.model(input_ids, positions, batch)  # [T, H]
+        return self.model.compute_logits(hidden[batch.logits_indices])  # [N, V]
+
+    def _decode_logits(self, input_ids, positions, batch) -> torch.Tensor:
+        hidden = self.model(input_ids, positions, batch)  # [B, H]
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def run(self, scheduled: ScheduledBatch) -> dict[int, int]:
+        """Run one step; returns ``{seq_id: token}`` for sequences whose next token was sampled
+        (all of a decode step; in prefill, those whose prompt is now fully computed)."""
+        bucket = self._bucket(len(scheduled)) if not scheduled.is_prefill else None
+        if bucket is not None:
+            input_ids, positions, batch = self.prepare(scheduled, pad_to=bucket,
+                                                       table_width=self.max_blocks_per_seq)
+            torch.compiler.cudagraph_mark_step_begin()
+            logits = self.compiled_decode(input_ids, positions, batch)[:len(scheduled)]
+        else:
+            input_ids, positions, batch = self.prepare(scheduled)
+            logits = self._forward_logits(input_ids, positions, batch)
+        sampled_seqs = [seq for seq, n in zip(scheduled.seqs, scheduled.num_tokens)
+                        if seq.num_computed_tokens + n == len(seq)]
+        if not sampled_seqs:
+            return {}
+        settings = SamplingTensors.build([seq.sampling_params for seq in sampled_seqs],
+                                         [seq.generator for seq in sampled_seqs],
+                                         self.vocab_size, self.device)
+        tokens = sample(logits, settings).tolist()  # the one host sync of the step
+        return {seq.seq_id: token for seq, token in zip(sampled_seqs, tokens)}
+
+    # ----------------------------------------------------------------- compiled decode
+    def _bucket(self, batch_size: int) -> int | None:
+        if self.compiled_decode is None:
+            return None
+        index = bisect.bisect_left(self.graph_sizes, batch_size)
+        return self.graph_sizes[index] if index < len(self.graph_sizes) else None
+
+    def _compile_decode(self) -> None:
+        sizes = [s for s in self.config.cudagraph_batch_sizes if s <= self.config.max_num_seqs]
+        if not sizes or sizes[-1] < self.config.max_num_seqs:
+            sizes.append(self.config.max_num_seqs)
+        self.graph_sizes = tuple(sizes)
+        # Each bucket is one static-shape graph: let dynamo keep all of them.
+        limit = 2 * len(sizes) + 8
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        mode = "reduce-overhead" if self.device.type == "cuda" else None
+        self.compiled_decode = torch.compile(self._decode_logits, mode=mode, fullgraph=True,
+                                             dynamic=False)
+        start = time.perf_counter()
+        dummy = ScheduledBatch([], [], is_prefill=False)
+        with torch.inference_mode():
+            for size in tqdm(sorted(sizes, reverse=True), desc="Capturing decode graphs",
+                             unit="graph"):
+                inputs = self.prepare(dummy, pad_to=size, table_width=self.max_blocks_per_seq)
+                for _ in range(3):  # warm-up, record, replay
+                    torch.compiler.cudagraph_mark_step_begin()
+                    self.compiled_decode(*inputs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.startup_compile_seconds = time.perf_counter() - start
+        logger.info("compiled decode for batch sizes %s in %.1f s", list(sizes),
+                    self.startup_compile_seconds)
