@@ -74,7 +74,8 @@ def load_weights(model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -
         if name is None:
             skipped += 1
             continue
-        name, shard = _apply_packing(model, name)
+        # checkpoint_name may name the shard itself, e.g. ("...experts.down_proj.weight", "3")
+        name, shard = name if isinstance(name, tuple) else _apply_packing(model, name)
         param = params.get(name)
         if param is None:
             raise CheckpointError(f"unexpected tensor {ckpt_name!r} in the checkpoint: the model "
@@ -88,7 +89,9 @@ def load_weights(model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -
         except ValueError as exc:
             raise CheckpointError(f"tensor {ckpt_name!r}: {exc}") from exc
         loaded.add((name, shard))
-    missing = sorted(f"{n}" + (f" ({s} shard)" if s else "") for n, s in expected - loaded)
+    # a sharded parameter may also come whole (e.g. fused expert tensors)
+    missing = sorted(f"{n}" + (f" ({s} shard)" if s else "") for n, s in expected - loaded
+                     if (n, None) not in loaded)
     if missing:
         raise CheckpointError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs: "
                               f"{', '.join(missing[:10])}" + (" ..." if len(missing) > 10 else ""))

@@ -1,0 +1,53 @@
+"""Gated full attention (``self_attn.*``) of Qwen3.5 / Qwen3-Next.
+
+``q_proj`` yields query and output gate interleaved per head (``[T, H, 2 * D]`` split in
+half per head); q/k get zero-centred per-head RMSNorm, then NeoX RoPE on the first
+``head_dim * partial_rotary_factor`` dims; the attention output is multiplied by
+``sigmoid(gate)`` before ``o_proj``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qllm.layers.attention import PagedAttention
+from qllm.layers.linear import PackedLinear
+from qllm.layers.norm import RMSNorm
+from qllm.layers.rotary import RotaryEmbedding, rope_theta
+from qllm.plugins import Kernels
+from qllm.runner.batch import ForwardBatch
+
+from qllm_qwen3_5.config import rotary_dim_of
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config, kernels: Kernels, cache_dtype: torch.dtype):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # q_proj rows are [q | gate] per head; they stay interleaved inside the "q" shard.
+        self.qkv_proj = PackedLinear(config.hidden_size,
+                                     {"q": 2 * q_size, "k": kv_size, "v": kv_size})
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered=True)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered=True)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, rotary_dim_of(config),
+                                          config.max_position_embeddings, rope_theta(config))
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, kernels,
+                                   cache_dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """``positions [T]``, ``hidden [T, H]`` -> ``[T, H]``."""
+        q_gate, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q, gate = q_gate.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
+        q = self.q_norm(q)                                                    # [T, Hq, D]
+        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))  # [T, Hkv, D]
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))               # [T, Hkv, D]
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, batch)                                       # [T, Hq, D]
+        out = out * torch.sigmoid(gate)
+        return self.o_proj(out.flatten(-2))

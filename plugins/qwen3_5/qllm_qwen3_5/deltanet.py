@@ -1,0 +1,143 @@
+"""The Gated DeltaNet layer (``linear_attn.*``): linear attention with a carried recurrent state.
+
+Per step: one fused input projection -> causal depthwise conv1d + SiLU over ``[q | k | v]``
+(op ``causal_conv1d_prefill`` / ``causal_conv1d_update``) -> ``beta``/``g`` gates in fp32 ->
+gated delta rule (op ``gdn_prefill`` chunked / ``gdn_decode`` recurrent; the ops L2-normalise
+q/k, expand key heads and scale q, see ``qllm.ops.gdn``) -> gated RMSNorm with ``z`` ->
+``out_proj``. The conv and SSM states live in this layer's ``recurrent_slot`` cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qllm.layers.gated_norm import RMSNormGated
+from qllm.layers.linear import default_weight_loader
+from qllm.plugins import Kernels
+from qllm.runner.batch import ForwardBatch
+from qllm.specs import CacheRequirement
+
+
+class GDNInputProjection(nn.Linear):
+    """All GDN input projections as one matmul; output rows ``[q | k | v | z | b | a]``
+    (``q``, ``k``: ``Hk * dk``; ``v``, ``z``: ``Hv * dv``; ``b``, ``a``: ``Hv``).
+
+    Loads either Qwen3.5's separate ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` /
+    ``in_proj_a`` or Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``, whose rows are grouped per
+    key head (``[q dk | k dk | v r*dv | z r*dv]`` and ``[b r | a r]``, ``r = Hv / Hk``).
+    The shard names are the checkpoint's projection names.
+    """
+
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                 head_v_dim: int, fused_checkpoint: bool):
+        self.hk, self.hv, self.dk, self.dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+        key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.sizes = [key_dim, key_dim, value_dim, value_dim, num_v_heads, num_v_heads]
+        super().__init__(hidden_size, sum(self.sizes), bias=False)
+        starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        if fused_checkpoint:
+            self.shard_offsets = {"in_proj_qkvz": None, "in_proj_ba": None}
+        else:
+            conv_dim = 2 * key_dim + value_dim
+            self.shard_offsets = {"in_proj_qkv": (0, conv_dim),
+                                  "in_proj_z": (starts[3], value_dim),
+                                  "in_proj_b": (starts[4], num_v_heads),
+                                  "in_proj_a": (starts[5], num_v_heads)}
+        self.row_starts = starts
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard: str | None = None) -> None:
+        if shard is None:  # already fused in our row order
+            default_weight_loader(param, loaded)
+        elif shard == "in_proj_qkvz":
+            self._load_grouped(param, loaded, [self.dk, self.dk, self.hv // self.hk * self.dv,
+                                               self.hv // self.hk * self.dv], first_part=0)
+        elif shard == "in_proj_ba":
+            self._load_grouped(param, loaded, [self.hv // self.hk] * 2, first_part=4)
+        else:
+            offset, size = self.shard_offsets[shard]
+            default_weight_loader(param.data.narrow(0, offset, size), loaded)
+
+    def _load_grouped(self, param: nn.Parameter, loaded: torch.Tensor, per_head: list[int],
+                      first_part: int) -> None:
+        """Un-group rows stored per key head ``[Hk, sum(per_head), H]`` into the parts'
+        contiguous row ranges."""
+        expected = (self.hk * sum(per_head), self.in_features)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected "
+                             f"{expected} (rows grouped per key head)")
+        parts = loaded.view(self.hk, sum(per_head), self.in_features).split(per_head, dim=1)
+        for i, part in enumerate(parts):  # part: [Hk, rows per key head, H]
+            start, size = self.row_starts[first_part + i], self.sizes[first_part + i]
+            param.data.narrow(0, start, size).copy_(part.reshape(size, self.in_features))
+
+    def split(self, out: torch.Tensor) -> list[torch.Tensor]:
+        """``[T, out_features]`` -> ``[qkv [T, conv_dim], z [T, Hv*dv], b [T, Hv], a [T, Hv]]``."""
+        conv_dim = sum(self.sizes[:3])
+        return list(out.split([conv_dim, self.sizes[3], self.hv, self.hv], dim=-1))
+
+
+class GatedDeltaNet(nn.Module):
+    """One Gated DeltaNet layer; HF parameter names except the fused ``in_proj``."""
+
+    layer_kind = "linear_attention"
+
+    def __init__(self, config, kernels: Kernels, conv_dtype: torch.dtype,
+                 ssm_dtype: torch.dtype, fused_checkpoint: bool):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, \
+            config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel_size = config.linear_conv_kernel_dim
+        self.conv_dtype, self.ssm_dtype = conv_dtype, ssm_dtype
+
+        self.in_proj = GDNInputProjection(config.hidden_size, self.num_k_heads, self.num_v_heads,
+                                          self.head_k_dim, self.head_v_dim, fused_checkpoint)
+        # Holds the depthwise weight [conv_dim, 1, K] under its HF name; the ops apply it.
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel_size,
+                                groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = RMSNormGated(self.head_v_dim, eps=config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+
+        self._conv_prefill = kernels.causal_conv1d_prefill
+        self._conv_update = kernels.causal_conv1d_update
+        self._gdn_prefill = kernels.gdn_prefill
+        self._gdn_decode = kernels.gdn_decode
+
+    def cache_requirement(self) -> CacheRequirement:
+        return CacheRequirement(
+            self.layer_kind,
+            {"conv": (self.conv_dim, self.conv_kernel_size - 1),
+             "ssm": (self.num_v_heads, self.head_k_dim, self.head_v_dim)},
+            {"conv": self.conv_dtype, "ssm": self.ssm_dtype})
+
+    def attach_cache(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.register_buffer("conv_state", tensors["conv"], persistent=False)  # [S+1, C, K-1]
+        self.register_buffer("ssm_state", tensors["ssm"], persistent=False)  # [S+1, Hv, dk, dv]
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """``hidden [T, H]`` -> ``[T, H]``."""
+        qkv, z, b, a = self.in_proj.split(self.in_proj(hidden))
+        conv_weight = self.conv1d.weight[:, 0, :]  # [C, K]
+        if batch.is_prefill:
+            qkv = self._conv_prefill(qkv, conv_weight, self.conv_state, batch)  # [T, C]
+        else:
+            qkv = self._conv_update(qkv, conv_weight, self.conv_state, batch)
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))  # [T, Hk, dk]
+        k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))  # [T, Hk, dk]
+        v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))  # [T, Hv, dv]
+
+        beta = b.sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv]
+        gdn = self._gdn_prefill if batch.is_prefill else self._gdn_decode
+        out = gdn(q, k, v, g, beta, self.ssm_state, batch)  # [T, Hv, dv]
+        out = self.norm(out, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
+        return self.out_proj(out.flatten(-2))

@@ -1,0 +1,140 @@
+"""Hybrid Qwen3.5 / Qwen3.5-MoE / Qwen3-Next: Gated DeltaNet and gated full-attention layers
+(per ``layer_types``), each followed by a dense SwiGLU MLP or a sparse MoE block.
+
+Every RMSNorm here is zero-centred (``x_hat * (1 + w)``) except the GDN output norm.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+from torch import nn
+
+from qllm.config import EngineConfig
+from qllm.layers.embedding import LMHead
+from qllm.layers.norm import RMSNorm
+from qllm.model_api import CausalLM
+from qllm.plugins import Kernels
+from qllm.runner.batch import ForwardBatch
+
+from qllm_qwen3_5.attention import GatedAttention
+from qllm_qwen3_5.config import Variant, is_sparse_layer, validate, variant_of
+from qllm_qwen3_5.deltanet import GatedDeltaNet
+from qllm_qwen3_5.moe import DenseMLP, SparseMoeBlock
+
+logger = logging.getLogger(__name__)
+
+# Checkpoint tensors the text model does not use: the multi-token-prediction head and the
+# vision tower of the multimodal checkpoints.
+UNUSED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
+MULTIMODAL_PREFIX = "model.language_model."
+PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+FUSED_EXPERTS = re.compile(r"^.*\.mlp\.experts\.(gate_up|down)_proj$")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, index: int, variant: Variant, kernels: Kernels,
+                 engine_config: EngineConfig):
+        super().__init__()
+        self.layer_type = config.layer_types[index]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config, kernels, engine_config.dtype,
+                                             engine_config.recurrent_state_dtype,
+                                             variant.fused_gdn_inputs)
+        else:
+            self.self_attn = GatedAttention(config, kernels, engine_config.dtype)
+        if is_sparse_layer(variant, config, index):
+            self.mlp = SparseMoeBlock(config, kernels, variant.norm_topk_prob)
+        else:
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, zero_centered=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero_centered=True)
+
+    def forward(self, positions, hidden, residual, batch: ForwardBatch):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        if self.layer_type == "linear_attention":
+            hidden = self.linear_attn(hidden, batch)
+        else:
+            hidden = self.self_attn(positions, hidden, batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class HybridModel(nn.Module):
+    def __init__(self, config, variant: Variant, kernels: Kernels,
+                 engine_config: EngineConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, variant, kernels, engine_config)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+
+    def forward(self, input_ids, positions, batch):
+        hidden, residual = self.embed_tokens(input_ids), None  # [T, H]
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen3_5ForCausalLM(CausalLM):
+    """Serves every hybrid architecture of the plugin; ``architecture`` picks the variant.
+    For the multimodal ``*ForConditionalGeneration`` checkpoints only the text path is built.
+    """
+
+    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
+                      "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", "gate"),
+                      "up_proj": ("gate_up_proj", "up"),
+                      "in_proj_qkv": ("in_proj", "in_proj_qkv"),
+                      "in_proj_z": ("in_proj", "in_proj_z"),
+                      "in_proj_b": ("in_proj", "in_proj_b"),
+                      "in_proj_a": ("in_proj", "in_proj_a"),
+                      "in_proj_qkvz": ("in_proj", "in_proj_qkvz"),
+                      "in_proj_ba": ("in_proj", "in_proj_ba")}
+
+    def __init__(self, hf_config, kernels: Kernels, engine_config: EngineConfig,
+                 architecture: str):
+        super().__init__()
+        config = hf_config.get_text_config()
+        self.variant = variant_of(architecture, config)
+        validate(config, self.variant)
+        self.config = config
+        # transformers ties on the config the top-level model was built from
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.model = HybridModel(config, self.variant, kernels, engine_config)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def checkpoint_name(self, name: str):
+        """Map a checkpoint tensor name to ``name``, ``(name, shard)`` or ``None`` (skip)."""
+        if name.startswith(MULTIMODAL_PREFIX):
+            name = "model." + name[len(MULTIMODAL_PREFIX):]
+        if name.startswith(UNUSED_PREFIXES):
+            return None
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None  # the embedding serves as the head
+        match = PER_EXPERT.match(name)
+        if match:  # experts.{e}.{part}_proj.weight -> one expert's rows of the stacked weight
+            experts, index, part = match.groups()
+            stacked = "gate_up_proj" if part in ("gate", "up") else "down_proj"
+            return f"{experts}.{stacked}.weight", f"{part}:{index}"
+        if FUSED_EXPERTS.match(name):
+            return name + ".weight"
+        return name
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,143 @@
+"""Sparse MoE block (``mlp.*``): fp32 softmax router, top-k, renormalise, SwiGLU experts,
+plus a shared expert scaled by ``sigmoid(shared_expert_gate(x))``.
+
+The routed experts run through the ``fused_moe`` op so GPU plugins can replace it;
+``fused_moe`` below is the plain-torch reference, registered by this plugin.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qllm.layers.activation import silu_and_mul
+from qllm.layers.linear import PackedLinear, default_weight_loader
+from qllm.plugins import Kernels
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Routed SwiGLU experts: ``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows, then up rows),
+    ``w2 [E, H, I]``, ``topk_weights`` / ``topk_ids`` ``[T, k]`` -> ``[T, H]`` in ``x.dtype``.
+
+    Eagerly, tokens are grouped per expert (host sync, only the experts hit are computed).
+    Under ``torch.compile`` (the CUDA-graph decode step) every expert runs on every token
+    with a dense ``[T, E]`` combine matrix: static shapes, no host sync, E/k times the work.
+    """
+    num_experts = w13.shape[0]
+    weights = topk_weights.to(x.dtype)
+    out = torch.zeros_like(x)
+    if torch.compiler.is_compiling():
+        combine = torch.zeros(x.shape[0], num_experts, dtype=x.dtype, device=x.device)
+        combine.scatter_add_(1, topk_ids, weights)  # [T, E]
+        for e in range(num_experts):
+            expert_out = F.linear(silu_and_mul(F.linear(x, w13[e])), w2[e])  # [T, H]
+            out = out + combine[:, e:e + 1] * expert_out
+        return out
+    flat_ids = topk_ids.flatten()  # [T * k]
+    order = flat_ids.argsort(stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    token_of = order // topk_ids.shape[1]  # token row of each sorted (token, slot) pair
+    weight_of = weights.flatten()[order]
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = token_of[start:start + count]  # [n]
+        expert_out = F.linear(silu_and_mul(F.linear(x[rows], w13[e])), w2[e])  # [n, H]
+        out.index_add_(0, rows, expert_out * weight_of[start:start + count, None])
+        start += count
+    return out
+
+
+class StackedExpertWeight(nn.Module):
+    """``weight [E, len(parts) * rows, cols]``: one projection of every expert, stacked.
+
+    Loads whole (HF's fused ``experts.gate_up_proj`` / ``experts.down_proj``) or per expert
+    from ``experts.{e}.{part}_proj.weight`` as shard ``"{part}:{e}"``; with several parts
+    (gate, up) each expert's rows are the parts in order.
+    """
+
+    def __init__(self, num_experts: int, parts: tuple[str, ...], rows: int, cols: int):
+        super().__init__()
+        self.rows = rows
+        self.weight = nn.Parameter(torch.empty(num_experts, len(parts) * rows, cols))
+        self.shard_offsets = {f"{part}:{e}": (e, i * rows)
+                              for e in range(num_experts) for i, part in enumerate(parts)}
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard: str | None = None) -> None:
+        if shard is None:
+            default_weight_loader(param, loaded)
+            return
+        expert, offset = self.shard_offsets[shard]
+        default_weight_loader(param.data[expert].narrow(0, offset, self.rows), loaded)
+
+
+class Experts(nn.Module):
+    """The routed experts: ``gate_up_proj.weight [E, 2I, H]`` (gate rows first) and
+    ``down_proj.weight [E, H, I]``; see ``Qwen3_5ForCausalLM.checkpoint_name`` for the
+    checkpoint names."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 kernels: Kernels):
+        super().__init__()
+        self.gate_up_proj = StackedExpertWeight(num_experts, ("gate", "up"), intermediate_size,
+                                                hidden_size)
+        self.down_proj = StackedExpertWeight(num_experts, ("down",), hidden_size,
+                                             intermediate_size)
+        self._fused_moe = kernels.fused_moe
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        return self._fused_moe(x, self.gate_up_proj.weight, self.down_proj.weight,
+                               topk_weights, topk_ids)
+
+
+class Router(nn.Module):
+    """``softmax(x W^T)`` in fp32, top-k, optionally renormalised. Parameter ``gate.weight``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, top_k: int, renormalize: bool):
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, H]`` -> ``(weights [T, k] in x.dtype, expert ids [T, k])``."""
+        probs = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32)  # [T, E]
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP (dense layers and the shared expert); ``gate_proj``/``up_proj`` fused."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = PackedLinear(hidden_size, {"gate": intermediate_size,
+                                                       "up": intermediate_size})
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config, kernels: Kernels, renormalize: bool):
+        super().__init__()
+        self.gate = Router(config.num_experts, config.hidden_size, config.num_experts_per_tok,
+                           renormalize)
+        self.experts = Experts(config.num_experts, config.hidden_size,
+                               config.moe_intermediate_size, kernels)
+        self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` -> ``[T, H]``."""
+        weights, ids = self.gate(x)  # [T, k] each
+        routed = self.experts(x, weights, ids)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + shared
