@@ -1,0 +1,135 @@
+"""Test helpers: tiny random transformers checkpoints of every served layout, and transformers'
+own greedy continuations to compare against. Used by ``tests/test_qwen3_5_*.py``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+
+KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_5_moe_vl", "qwen3_next")
+
+TEXT = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+            max_position_embeddings=1024, eos_token_id=1, bos_token_id=0, pad_token_id=0,
+            tie_word_embeddings=False)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           shared_expert_intermediate_size=32)
+VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64)
+# Weights that initialise to constants (or near-uniform routing) and would hide bugs.
+PERTURBED = ("norm", "A_log", "dt_bias", "conv1d", "mlp.gate.")
+
+
+def build_hf_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny fp32 transformers model of ``kind`` (see ``KINDS``) with perturbed weights."""
+    import transformers
+
+    torch.manual_seed(seed)
+    text = {**TEXT, **overrides}
+    if kind == "qwen3_5":
+        text = {"intermediate_size": 96, "tie_word_embeddings": True, **text}
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**text))
+    elif kind == "qwen3_5_moe":
+        model = transformers.Qwen3_5MoeForCausalLM(
+            transformers.Qwen3_5MoeTextConfig(**{**MOE, **text}))
+    elif kind == "qwen3_5_vl":
+        config = transformers.Qwen3_5Config(text_config={"intermediate_size": 96, **text},
+                                            vision_config=VISION, tie_word_embeddings=False)
+        model = transformers.Qwen3_5ForConditionalGeneration(config)
+    elif kind == "qwen3_5_moe_vl":
+        config = transformers.Qwen3_5MoeConfig(text_config={**MOE, **text},
+                                               vision_config=VISION, tie_word_embeddings=False)
+        model = transformers.Qwen3_5MoeForConditionalGeneration(config)
+    elif kind == "qwen3_next":  # layer 0 keeps a dense MLP (mlp_only_layers)
+        model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+            **{"intermediate_size": 96, "mlp_only_layers": [0], **MOE, **text}))
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
+    if "moe" in kind or kind == "qwen3_next":
+        model.set_experts_implementation("eager")  # grouped_mm does not run in fp64 on CPU
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if any(key in name for key in PERTURBED):
+                param.add_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model.eval()
+
+
+def save_checkpoint(kind: str, path: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """Write a tiny checkpoint of ``kind`` to ``path``; returns the transformers model."""
+    model = build_hf_model(kind, seed, **overrides)
+    model.save_pretrained(path)
+    return model
+
+
+def hf_greedy(model: torch.nn.Module, prompts: list[list[int]],
+              max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuations, all prompts in one left-padded batch (exact for
+    the GDN layers: padded inputs are zeroed, so the state stays zero until the prompt)."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for i, prompt in enumerate(prompts):
+        input_ids[i, width - len(prompt):] = torch.tensor(prompt)
+        mask[i, width - len(prompt):] = 1
+    with torch.no_grad():
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return [row[width:].tolist() for row in out]
+
+
+def hf_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
+    """transformers' logits ``[T, V]`` over one unpadded prompt."""
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0]
+
+
+def rewrite_checkpoint(path: str, edit) -> None:
+    """Apply ``edit(tensors: dict) -> dict`` to the (single-file) checkpoint at ``path``."""
+    file = os.path.join(path, "model.safetensors")
+    tensors = edit(load_file(file))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, file, metadata={"format": "pt"})
+
+
+def edit_config(path: str, edit) -> None:
+    """Apply ``edit(config: dict)`` in place to ``path/config.json``."""
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        config = json.load(f)
+    edit(config)
+    with open(file, "w") as f:
+        json.dump(config, f)
+
+
+def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert ``experts.{e}.{gate,up,down}_proj.weight`` -> fused
+    ``experts.gate_up_proj [E, 2I, H]`` and ``experts.down_proj [E, H, I]``."""
+    out, experts = {}, {}
+    for name, tensor in tensors.items():
+        head, sep, tail = name.partition(".mlp.experts.")
+        if not sep:
+            out[name] = tensor
+            continue
+        index, part = tail.split(".")[:2]
+        experts.setdefault(head, {}).setdefault(int(index), {})[part] = tensor
+    for head, by_index in experts.items():
+        ordered = [by_index[e] for e in sorted(by_index)]
+        out[f"{head}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([e["gate_proj"], e["up_proj"]]) for e in ordered])
+        out[f"{head}.mlp.experts.down_proj"] = torch.stack([e["down_proj"] for e in ordered])
+    return out
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run with ``n`` intra-op threads (tiny models are many times faster on one thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
