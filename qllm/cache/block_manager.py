@@ -59,11 +59,9 @@ class BlockManager:
         """Reuse cached blocks for the longest cached prefix of ``seq`` (always leaving at least
         one token to compute) and set ``seq.num_computed_tokens`` to the tokens they hold."""
         assert not seq.block_table, f"{seq} already holds blocks"
-        if not self.enable_prefix_caching:
-            return
+        cacheable = (len(seq) - 1) // self.block_size * self.block_size
         parent = None
-        for start in range(0, (len(seq) - 1) // self.block_size * self.block_size,
-                           self.block_size):
+        for start in range(0, cacheable if self.enable_prefix_caching else 0, self.block_size):
             tokens = tuple(seq.token_ids[start:start + self.block_size])
             block_id = self.cached.get(chain_hash(parent, tokens))
             if block_id is None or self.blocks[block_id].token_ids != tokens:

@@ -109,7 +109,7 @@ class CacheRegistry:
         """Free all of ``seq``'s cache; none of its tokens count as computed any more."""
         for pool in self.pools.values():
             pool.release(seq)
-        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0
 
     def usage(self) -> dict[str, float]:
         return {name: pool.usage() for name, pool in self.pools.items()}

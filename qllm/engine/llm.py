@@ -37,7 +37,8 @@ class LLM:
 
         ``sampling_params`` is one ``SamplingParams`` for all prompts or one per prompt.
         Returns, in prompt order, dicts with ``text``, ``token_ids`` (generated tokens only),
-        ``prompt_token_ids`` and ``finish_reason``. Every prompt is validated before any runs.
+        ``prompt_token_ids``, ``finish_reason`` and ``num_cached_tokens`` (prompt tokens
+        served from the prefix cache). Every prompt is validated before any runs.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
@@ -93,4 +94,4 @@ class LLM:
 def _result(seq: Sequence) -> dict:
     return {"text": seq.output_text, "token_ids": seq.output_token_ids,
             "prompt_token_ids": seq.token_ids[:seq.num_prompt_tokens],
-            "finish_reason": seq.finish_reason}
+            "finish_reason": seq.finish_reason, "num_cached_tokens": seq.num_cached_tokens}

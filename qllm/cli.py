@@ -1,0 +1,111 @@
+"""The ``qllm`` command line: ``qllm generate`` and ``qllm serve``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from qllm.config import SamplingParams
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """Engine options shared by every command that builds an engine."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--dtype", help="bfloat16, float16 or float32 (default: fp32 on CPU, "
+                                       "the checkpoint's half precision on GPU)")
+    group.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    group.add_argument("--max-num-seqs", type=int, help="sequences decoded together")
+    group.add_argument("--max-num-batched-tokens", type=int, help="tokens per prefill step")
+    group.add_argument("--max-model-len", type=int, help="longest prompt + output")
+    group.add_argument("--gpu-memory-utilization", type=float)
+    group.add_argument("--enforce-eager", action="store_true", default=None,
+                       help="no torch.compile / CUDA graphs")
+    group.add_argument("--load-format", choices=["auto", "safetensors", "dummy"])
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engine options given on the command line, as ``LLM`` keyword arguments."""
+    names = ["dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+             "gpu_memory_utilization", "enforce_eager", "load_format"]
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def _add_generate(subparsers) -> None:
+    parser = subparsers.add_parser("generate", help="generate text for prompts")
+    parser.add_argument("--model", help="checkpoint directory (default: a built-in small "
+                                        "Qwen3 with random weights)")
+    parser.add_argument("--prompt", action="append", default=[],
+                        help="a prompt (repeat for several)")
+    parser.add_argument("--prompts-file", help="a file with one prompt per line")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--stop", action="append", default=[], help="a stop string")
+    parser.add_argument("--json", action="store_true", help="print one JSON line per prompt")
+    add_engine_options(parser)
+    parser.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from qllm import LLM
+    from qllm.default_model import default_model_dir
+
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        prompts = ["The capital of France is"]
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed,
+                            ignore_eos=args.ignore_eos, stop=args.stop)
+    model = args.model
+    if model is None:
+        model = default_model_dir()
+        print(f"qllm: no --model given; using the built-in default model at {model}. "
+              f"Its weights are RANDOM, so its text is gibberish.", file=sys.stderr)
+    llm = LLM(model, **engine_options(args))
+    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    for prompt, out in zip(prompts, outputs):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": out["text"],
+                              "token_ids": out["token_ids"],
+                              "finish_reason": out["finish_reason"]}))
+        else:
+            print(f"--- prompt: {prompt!r}\n{out['text']}\n[{len(out['token_ids'])} tokens, "
+                  f"finish: {out['finish_reason']}]")
+    stats = llm.last_throughput
+    print(f"qllm: {stats['generated_tokens']} tokens in {stats['seconds']:.2f} s "
+          f"({stats['tokens_per_second']:.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
+def _add_serve(subparsers) -> None:
+    try:
+        from qllm.server.cli import add_serve_command
+    except ImportError:
+        return  # the server is an optional extra: `pip install qllm[serve]`
+    add_serve_command(subparsers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qllm", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_generate(subparsers)
+    _add_serve(subparsers)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"qllm: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
