@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from conftest import assert_cache_free, random_prompts
-from qllm import LLM
+from qllm import LLM, SamplingParams
+from qllm.engine.scheduler import ScheduledBatch
+from qllm.engine.sequence import Sequence
 from qllm.loader import CheckpointError
 
 qwen3_5_testing = pytest.importorskip("qllm_qwen3_5.testing")
@@ -27,10 +29,6 @@ def one_thread():
 
 def last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     """qllm's next-token logits ``[V]`` after ``prompt`` (one prefill step)."""
-    from qllm.engine.scheduler import ScheduledBatch
-    from qllm.engine.sequence import Sequence
-    from qllm.config import SamplingParams
-
     engine = llm.engine
     seq = Sequence(prompt, SamplingParams(temperature=0))
     assert engine.cache.admit(seq) and engine.cache.reserve(seq, len(prompt))
@@ -161,9 +159,9 @@ def drop(name: str):
     pytest.param("qwen3_5_moe", drop("model.layers.1.mlp.experts.2.down_proj.weight"),
                  r"model\.layers\.1\.mlp\.experts\.down_proj\.weight \(down:2 shard\)",
                  id="missing-expert"),
-    pytest.param("qwen3_next",
-                 lambda t: {**t, "model.layers.0.linear_attn.in_proj_ba.weight": torch.zeros(6, 64)},
-                 r"in_proj_ba.*\(6, 64\)", id="wrong-shape-in_proj_ba"),
+    pytest.param("qwen3_next", lambda t: {
+        **t, "model.layers.0.linear_attn.in_proj_ba.weight": torch.zeros(6, 64)},
+        r"in_proj_ba.*\(6, 64\)", id="wrong-shape-in_proj_ba"),
 ])
 def test_bad_checkpoint_is_a_clear_error(checkpoints, tmp_path, kind, edit, message):
     path = copy_of(checkpoints, kind, tmp_path)
