@@ -93,21 +93,14 @@ class Scheduler:
             if scheduled else None
 
     def _reserve_or_preempt(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Reserve room for ``seq``, preempting later-admitted sequences while that is needed.
-        With nobody left to preempt, ``seq`` itself is preempted and False returned."""
+        """Reserve room for ``seq``, preempting the latest-admitted running sequences while
+        that is needed. If ``seq`` is itself the latest, it is preempted and False returned."""
         while not self.cache.reserve(seq, num_new_tokens):
-            victim = self._latest_running(exclude=seq)
-            if victim is None:
-                self._preempt(seq)
-                return False
+            victim = self.running[-1]
             self._preempt(victim)
+            if victim is seq:
+                return False
         return True
-
-    def _latest_running(self, exclude: Sequence) -> Sequence | None:
-        for seq in reversed(self.running):
-            if seq is not exclude:
-                return seq
-        return None
 
     def _preempt(self, seq: Sequence) -> None:
         self.cache.release(seq)
