@@ -21,36 +21,41 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     """Routed SwiGLU experts: ``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows, then up rows),
     ``w2 [E, H, I]``, ``topk_weights`` / ``topk_ids`` ``[T, k]`` -> ``[T, H]`` in ``x.dtype``.
 
-    Eagerly, tokens are grouped per expert (host sync, only the experts hit are computed).
-    Under ``torch.compile`` (the CUDA-graph decode step) every expert runs on every token
-    with a dense ``[T, E]`` combine matrix: static shapes, no host sync, E/k times the work.
+    Eagerly, tokens are grouped per expert (host sync; only the experts hit are computed).
+    Under ``torch.compile`` (the CUDA-graph decode step) every expert runs on every token and
+    a dense ``[T, E]`` combine matrix zeroes the unused ones: static shapes and no host sync,
+    but E/k times the work. GPU plugins are expected to replace this op.
     """
-    num_experts = w13.shape[0]
     weights = topk_weights.to(x.dtype)
-    out = torch.zeros_like(x)
     if torch.compiler.is_compiling():
-        combine = torch.zeros(x.shape[0], num_experts, dtype=x.dtype, device=x.device)
-        combine.scatter_add_(1, topk_ids, weights)  # [T, E]
-        for e in range(num_experts):
-            expert_out = F.linear(silu_and_mul(F.linear(x, w13[e])), w2[e])  # [T, H]
-            out = out + combine[:, e:e + 1] * expert_out
-        return out
+        return _dense_moe(x, w13, w2, weights, topk_ids)
+    out = torch.zeros_like(x)
     flat_ids = topk_ids.flatten()  # [T * k]
     order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
     token_of = order // topk_ids.shape[1]  # token row of each sorted (token, slot) pair
     weight_of = weights.flatten()[order]
     start = 0
     for e, count in enumerate(counts):
         if count == 0:
             continue
-        rows = token_of[start:start + count]  # [n]
+        rows = token_of[start:start + count]  # [n], distinct within one expert
         expert_out = F.linear(silu_and_mul(F.linear(x[rows], w13[e])), w2[e])  # [n, H]
-        # rows are distinct within one expert; index_put_ (unlike index_add_) is fast on CPU
+        # index_put_ rather than index_add_, which is very slow on CPU
         out.index_put_((rows,), expert_out * weight_of[start:start + count, None],
                        accumulate=True)
         start += count
     return out
+
+
+def _dense_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+               topk_ids: torch.Tensor) -> torch.Tensor:
+    """Every expert on every token, combined with the routing weights (zero where unrouted)."""
+    combine = torch.zeros(x.shape[0], w13.shape[0], dtype=x.dtype, device=x.device)
+    combine.scatter_add_(1, topk_ids, weights)  # [T, E]
+    hidden = silu_and_mul(torch.einsum("th,eoh->teo", x, w13))  # [T, E, I]
+    out = torch.einsum("tei,ehi->teh", hidden, w2)  # [T, E, H]
+    return torch.einsum("te,teh->th", combine, out)
 
 
 class StackedExpertWeight(nn.Module):
