@@ -6,7 +6,6 @@ Every RMSNorm here is zero-centred (``x_hat * (1 + w)``) except the GDN output n
 
 from __future__ import annotations
 
-import logging
 import re
 
 import torch
@@ -23,8 +22,6 @@ from qllm_qwen3_5.attention import GatedAttention
 from qllm_qwen3_5.config import Variant, is_sparse_layer, validate, variant_of
 from qllm_qwen3_5.deltanet import GatedDeltaNet
 from qllm_qwen3_5.moe import DenseMLP, SparseMoeBlock
-
-logger = logging.getLogger(__name__)
 
 # Checkpoint tensors the text model does not use: the multi-token-prediction head and the
 # vision tower of the multimodal checkpoints.
