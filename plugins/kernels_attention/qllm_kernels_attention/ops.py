@@ -1,0 +1,59 @@
+"""The Triton kernels as ``torch.library`` custom ops (namespace ``qllm_attn``), and the
+functions registered for qllm's ops, which unpack the ``ForwardBatch`` into them.
+
+A custom op is opaque to ``torch.compile``: its fake implementation gives the output's shape,
+so a ``fullgraph=True`` decode graph stays whole and the kernel is called as one node. The ops
+and their fakes exist without Triton; the kernels are imported on the first real call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qllm.runner.batch import ForwardBatch
+
+
+@torch.library.custom_op("qllm_attn::paged_decode", mutates_args=())
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """Split-K paged decode attention, ``q [B, Hq, D]`` -> ``[B, Hq, D]``."""
+    from qllm_kernels_attention.triton_decode import decode_attention
+
+    return decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale)
+
+
+@paged_decode.register_fake
+def _paged_decode_fake(q, k_cache, v_cache, seq_lens, block_tables, scale):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("qllm_attn::paged_prefill", mutates_args=())
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                  context_lens: torch.Tensor, block_tables: torch.Tensor,
+                  max_query_len: int, scale: float) -> torch.Tensor:
+    """Varlen causal paged prefill attention, ``q [T, Hq, D]`` -> ``[T, Hq, D]``."""
+    from qllm_kernels_attention.triton_prefill import prefill_attention
+
+    return prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, context_lens,
+                             block_tables, max_query_len, scale)
+
+
+@paged_prefill.register_fake
+def _paged_prefill_fake(q, k_cache, v_cache, query_start_loc, seq_lens, context_lens,
+                        block_tables, max_query_len, scale):
+    return q.new_empty(q.shape)
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           batch: ForwardBatch, scale: float) -> torch.Tensor:
+    """``paged_attention_decode`` for qllm (see ``qllm.ops.attention``); tensor-only."""
+    return paged_decode(q, k_cache, v_cache, batch.seq_lens, batch.block_tables, scale)
+
+
+def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            batch: ForwardBatch, scale: float) -> torch.Tensor:
+    """``paged_attention_prefill`` for qllm (see ``qllm.ops.attention``)."""
+    return paged_prefill(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
+                         batch.context_lens, batch.block_tables, batch.max_query_len, scale)

@@ -1,0 +1,58 @@
+"""qllm plugin entry point: registers the paged-attention kernels through ``qllm_kernels``.
+
+- ``triton`` (priority 10): ``paged_attention_decode`` / ``paged_attention_prefill`` on CUDA
+  in fp16/bf16 when Triton is importable.
+- ``flash_attn`` (priority 20): the same two ops through FlashAttention-2, registered only
+  when ``vllm_flash_attn`` or ``flash_attn`` is installed.
+
+``kv_store`` keeps the core's ``index_copy_``: it is one coalesced scatter per cache, already
+bandwidth-bound and CUDA-graph safe, and as a plain aten op it lets ``torch.compile`` fuse the
+store with the K/V producers (norm, rotary) - an opaque custom op would prevent that fusion.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from qllm.hookspecs import hookimpl
+from qllm.specs import KernelSpec
+from qllm_kernels_attention import ops
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_FLASH_ATTN = any(importlib.util.find_spec(name) for name in ("vllm_flash_attn", "flash_attn"))
+
+
+def cuda_half_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """GPU kernels here need CUDA, fp16/bf16 activations and Triton."""
+    return HAS_TRITON and device.type == "cuda" and dtype in HALF_DTYPES
+
+
+def _triton_specs() -> list[KernelSpec]:
+    return [
+        KernelSpec(op="paged_attention_decode", name="triton", fn=ops.paged_attention_decode,
+                   priority=10, is_available=cuda_half_available),
+        KernelSpec(op="paged_attention_prefill", name="triton", fn=ops.paged_attention_prefill,
+                   priority=10, is_available=cuda_half_available),
+    ]
+
+
+def _flash_specs() -> list[KernelSpec]:
+    from qllm_kernels_attention import flash
+
+    def available(device: torch.device, dtype: torch.dtype) -> bool:
+        return device.type == "cuda" and dtype in HALF_DTYPES
+
+    return [
+        KernelSpec(op="paged_attention_decode", name="flash_attn",
+                   fn=flash.paged_attention_decode, priority=20, is_available=available),
+        KernelSpec(op="paged_attention_prefill", name="flash_attn",
+                   fn=flash.paged_attention_prefill, priority=20, is_available=available),
+    ]
+
+
+@hookimpl
+def qllm_kernels():
+    return _triton_specs() + (_flash_specs() if HAS_FLASH_ATTN else [])

@@ -1,0 +1,77 @@
+"""Random paged-attention inputs for the parity tests and the benchmark."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qllm.runner.batch import ForwardBatch
+
+
+@dataclass
+class PagedInputs:
+    """Queries, filled K/V caches and the batch describing where each sequence's pages are."""
+
+    q: torch.Tensor        # [T, Hq, D]
+    k_cache: torch.Tensor  # [NB + 1, page, Hkv, D]
+    v_cache: torch.Tensor
+    batch: ForwardBatch
+    scale: float
+
+
+def paged_inputs(query_lens: list[int], context_lens: list[int], q_heads: int, kv_heads: int,
+                 head_dim: int, page: int, dtype: torch.dtype = torch.bfloat16,
+                 device: str | torch.device = "cpu", seed: int = 0) -> PagedInputs:
+    """Sequence ``i`` holds ``context_lens[i]`` cached tokens and ``query_lens[i]`` new ones
+    (their K/V already stored too). Pages are handed out in a random order, the last one is
+    the padding page, and every block-table row is padded with it one column past its longest
+    sequence, so kernels must follow the table and respect ``seq_lens``. ``is_prefill`` is
+    false when every query length is 1."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
+    pages_per_seq = [-(-n // page) for n in seq_lens]
+    num_pages = sum(pages_per_seq)
+    order = torch.randperm(num_pages, generator=gen).tolist()
+    table = torch.full((len(seq_lens), max(pages_per_seq) + 1), num_pages, dtype=torch.int32)
+    for i, count in enumerate(pages_per_seq):
+        table[i, :count] = torch.tensor(order[:count], dtype=torch.int32)
+        order = order[count:]
+
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(context_lens, query_lens)])
+    rows = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(query_lens))
+    slot_mapping = table[rows, positions // page].long() * page + positions % page  # [T]
+
+    device_gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=device_gen, device=device).to(dtype)
+
+    def ints(values, dtype=torch.int32):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    batch = ForwardBatch(
+        is_prefill=max(query_lens) > 1,
+        query_start_loc=ints(starts),
+        seq_lens=ints(seq_lens),
+        context_lens=ints(context_lens),
+        block_tables=table.to(device),
+        slot_mapping=slot_mapping.to(device),
+        recurrent_slots=ints([0] * len(seq_lens), torch.int64),
+        has_initial_state=ints([c > 0 for c in context_lens], torch.bool),
+        logits_indices=ints(starts[1:], torch.int64) - 1,
+        query_lens_host=list(query_lens),
+        seq_lens_host=seq_lens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return PagedInputs(
+        q=randn(starts[-1], q_heads, head_dim),
+        k_cache=randn(num_pages + 1, page, kv_heads, head_dim),
+        v_cache=randn(num_pages + 1, page, kv_heads, head_dim),
+        batch=batch,
+        scale=head_dim ** -0.5,
+    )

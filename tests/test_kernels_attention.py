@@ -1,0 +1,256 @@
+"""The qllm-kernels-attention plugin against the plain-torch reference (``qllm.ops.attention``).
+
+- CUDA (skipped without a GPU): bf16 parity of decode and prefill over GQA ratios, page sizes,
+  head dims, ragged lengths and cached prefixes; forced split counts; CUDA-graph replay;
+  ``torch.compile``; ``opcheck``.
+- CPU: the custom ops' fake path under ``torch.compile(fullgraph=True)``, the plugin's
+  registrations, and parity at tiny shapes under the Triton interpreter. The interpreter must
+  be switched on before Triton is imported, so ``test_triton_interpreter`` reruns this file's
+  ``interpreted`` tests in a subprocess with ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qllm.ops import attention
+from qllm.plugins import PluginRegistry
+from qllm_kernels_attention import ops, plugin
+from qllm_kernels_attention.testing import PagedInputs, paged_inputs
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Before 3.7 the interpreter calls int() on 1-element arrays, which NumPy >= 2.4 refuses.
+INTERPRETER_WORKS = HAS_TRITON and tuple(
+    int(part) for part in importlib.metadata.version("triton").split(".")[:2]) >= (3, 7)
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+TOLERANCE = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+interpreted = pytest.mark.skipif(not INTERPRETING,
+                                 reason="runs inside test_triton_interpreter's subprocess")
+
+
+def _decode_case(q_heads, kv_heads, head_dim, page, seq_lens):
+    """Decode inputs: one new token per sequence, the rest of ``seq_lens`` already cached."""
+    return dict(query_lens=[1] * len(seq_lens), context_lens=[n - 1 for n in seq_lens],
+                q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, page=page)
+
+
+def _prefill_case(q_heads, kv_heads, head_dim, page, query_lens, context_lens):
+    return dict(query_lens=query_lens, context_lens=context_lens, q_heads=q_heads,
+                kv_heads=kv_heads, head_dim=head_dim, page=page)
+
+
+def _ragged(count: int, longest: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(1, longest + 1, (count,), generator=gen).tolist()
+
+
+GPU_DECODE = {
+    "gqa2-d128-p256": _decode_case(16, 8, 128, 256, [1, 100, 513, 2048, 3000]),
+    "gqa4-d64-p16": _decode_case(32, 8, 64, 16, [1, 17, 255, 1024]),
+    "gqa8-d256-p32": _decode_case(16, 2, 256, 32, [5, 700]),
+    "mha-d128-p64": _decode_case(8, 8, 128, 64, [33, 64, 65]),
+    "gqa16-d128-p128": _decode_case(32, 2, 128, 128, [4097]),
+    "gqa3-d128-p16": _decode_case(12, 4, 128, 16, [31, 300]),
+    "b64-gqa2-d128-p256": _decode_case(16, 8, 128, 256, _ragged(64, 2048, seed=1)),
+}
+GPU_PREFILL = {
+    "single-d128-p256": _prefill_case(16, 8, 128, 256, [300], [0]),
+    "ragged-gqa4-d64-p16": _prefill_case(32, 8, 64, 16, [1, 17, 130, 257], [0, 0, 0, 0]),
+    "prefix-gqa2-d128-p64": _prefill_case(16, 8, 128, 64, [5, 64, 200], [300, 0, 17]),
+    "prefix-gqa8-d256-p32": _prefill_case(16, 2, 256, 32, [100, 33], [1000, 128]),
+    "chunk-mha-d128-p16": _prefill_case(8, 8, 128, 16, [512], [1536]),
+    "prefix-gqa16-d128-p128": _prefill_case(32, 2, 128, 128, [64, 129], [64, 3]),
+}
+TINY_DECODE = {
+    "gqa2-d16-p4": _decode_case(4, 2, 16, 4, [1, 9, 40]),
+    "gqa3-d32-p8": _decode_case(6, 2, 32, 8, [70, 3]),
+}
+TINY_PREFILL = {
+    "ragged-gqa2-d16-p8": _prefill_case(4, 2, 16, 8, [5, 30, 1], [0, 13, 40]),
+    "prefix-gqa3-d32-p4": _prefill_case(6, 2, 32, 4, [20, 70], [100, 3]),
+}
+
+
+def _reference(fn, x: PagedInputs) -> torch.Tensor:
+    """The plain-torch op in fp32 on the same (rounded) inputs."""
+    return fn(x.q.float(), x.k_cache.float(), x.v_cache.float(), x.batch, x.scale)
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype and out.shape == ref.shape
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def check_decode(case: dict, device: str, dtype: torch.dtype, num_splits: int | None) -> None:
+    """Decode through the registered function (automatic splits) or the launcher (forced)."""
+    from qllm_kernels_attention.triton_decode import decode_attention
+
+    x = paged_inputs(**case, dtype=dtype, device=device)
+    if num_splits is None:
+        out = ops.paged_attention_decode(x.q, x.k_cache, x.v_cache, x.batch, x.scale)
+    else:
+        out = decode_attention(x.q, x.k_cache, x.v_cache, x.batch.seq_lens,
+                               x.batch.block_tables, x.scale, num_splits=num_splits)
+    _assert_close(out, _reference(attention.paged_attention_decode, x), dtype)
+
+
+def check_prefill(case: dict, device: str, dtype: torch.dtype) -> None:
+    x = paged_inputs(**case, dtype=dtype, device=device)
+    out = ops.paged_attention_prefill(x.q, x.k_cache, x.v_cache, x.batch, x.scale)
+    _assert_close(out, _reference(attention.paged_attention_prefill, x), dtype)
+
+
+def opcheck_ops(device: str, dtype: torch.dtype) -> None:
+    """``torch.library.opcheck`` on both custom ops (schema, fake tensor, AOT dispatch)."""
+    x = paged_inputs(**TINY_PREFILL["ragged-gqa2-d16-p8"], dtype=dtype, device=device)
+    b = x.batch
+    torch.library.opcheck(ops.paged_prefill, (
+        x.q, x.k_cache, x.v_cache, b.query_start_loc, b.seq_lens, b.context_lens,
+        b.block_tables, b.max_query_len, x.scale))
+    x = paged_inputs(**TINY_DECODE["gqa2-d16-p4"], dtype=dtype, device=device)
+    torch.library.opcheck(ops.paged_decode, (
+        x.q, x.k_cache, x.v_cache, x.batch.seq_lens, x.batch.block_tables, x.scale))
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+@cuda
+@pytest.mark.parametrize("num_splits", [None, 1, 7], ids=["auto", "split1", "split7"])
+@pytest.mark.parametrize("case", GPU_DECODE.values(), ids=GPU_DECODE.keys())
+def test_decode_parity(case, num_splits):
+    check_decode(case, "cuda", torch.bfloat16, num_splits)
+
+
+@cuda
+@pytest.mark.parametrize("case", GPU_PREFILL.values(), ids=GPU_PREFILL.keys())
+def test_prefill_parity(case):
+    check_prefill(case, "cuda", torch.bfloat16)
+
+
+@cuda
+def test_decode_fp16():
+    check_decode(GPU_DECODE["gqa2-d128-p256"], "cuda", torch.float16, None)
+    check_prefill(GPU_PREFILL["prefix-gqa2-d128-p64"], "cuda", torch.float16)
+
+
+@cuda
+def test_decode_cuda_graph_replay():
+    """Captured once, replayed after the lengths (and queries) change in place."""
+    x = paged_inputs(**GPU_DECODE["gqa2-d128-p256"], device="cuda")
+    b = x.batch
+    ops.paged_attention_decode(x.q, x.k_cache, x.v_cache, b, x.scale)  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.paged_attention_decode(x.q, x.k_cache, x.v_cache, b, x.scale)
+    for seq_lens in ([1, 1, 1, 1, 1], [7, 200, 700, 1500, 3072]):  # within each row's pages
+        b.seq_lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        x.q.normal_()
+        graph.replay()
+        _assert_close(out, _reference(attention.paged_attention_decode, x), torch.bfloat16)
+
+
+@cuda
+def test_compiled_decode_matches_eager():
+    x = paged_inputs(**GPU_DECODE["gqa4-d64-p16"], device="cuda")
+    compiled = torch.compile(ops.paged_attention_decode, fullgraph=True,
+                             mode="reduce-overhead")
+    eager = ops.paged_attention_decode(x.q, x.k_cache, x.v_cache, x.batch, x.scale)
+    for _ in range(3):  # warm-up, record, replay
+        out = compiled(x.q, x.k_cache, x.v_cache, x.batch, x.scale)
+    torch.testing.assert_close(out, eager, atol=0, rtol=0)
+
+
+@cuda
+def test_opcheck_cuda():
+    opcheck_ops("cuda", torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- CPU
+
+def _to_meta(x: PagedInputs) -> PagedInputs:
+    def meta(value):
+        return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+    batch = dataclasses.replace(x.batch, **{f.name: meta(getattr(x.batch, f.name))
+                                            for f in dataclasses.fields(x.batch)})
+    return PagedInputs(meta(x.q), meta(x.k_cache), meta(x.v_cache), batch, x.scale)
+
+
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_compile_fullgraph_on_fake_path(op):
+    """Dynamo and AOT autograd trace the registered functions into one graph holding the
+    custom op, and the fake implementation gives the output (meta tensors: no kernel runs)."""
+    fn, case = ((ops.paged_attention_decode, TINY_DECODE["gqa2-d16-p4"]) if op == "decode"
+                else (ops.paged_attention_prefill, TINY_PREFILL["ragged-gqa2-d16-p8"]))
+    x = _to_meta(paged_inputs(**case))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for compile_backend in (backend, "aot_eager"):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, backend=compile_backend)
+        out = compiled(x.q, x.k_cache, x.v_cache, x.batch, x.scale)
+        assert out.device.type == "meta" and out.shape == x.q.shape and out.dtype == x.q.dtype
+    (graph,) = graphs
+    targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+    assert targets == [getattr(torch.ops.qllm_attn, f"paged_{op}").default]
+
+
+def test_plugin_registrations():
+    registry = PluginRegistry(extra_plugins=[plugin], load_entry_points=False)
+    best = "flash_attn" if plugin.HAS_FLASH_ATTN else "triton" if HAS_TRITON else "torch"
+    names = registry.kernels(torch.device("cuda"), torch.bfloat16).names()
+    assert names["paged_attention_decode"] == names["paged_attention_prefill"] == best
+    assert names["kv_store"] == "torch"
+    for device, dtype in (("cpu", torch.bfloat16), ("cuda", torch.float32)):
+        names = registry.kernels(torch.device(device), dtype).names()
+        assert set(names.values()) == {"torch"}
+
+
+@pytest.mark.skipif(not INTERPRETER_WORKS, reason="needs triton >= 3.7 for the interpreter")
+@pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run")
+def test_triton_interpreter():
+    """Runs the ``interpreted`` tests below on the CPU, in a subprocess with the interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-k", "interpreted",
+         "-p", "no:cacheprovider", "-W", "ignore:divide by zero:RuntimeWarning"],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+# The interpreter's tl.dot reads bf16 as raw integers, so these use fp16 and fp32.
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("num_splits", [None, 1, 3], ids=["auto", "split1", "split3"])
+@pytest.mark.parametrize("case", TINY_DECODE.values(), ids=TINY_DECODE.keys())
+def test_interpreted_decode(case, num_splits, dtype):
+    check_decode(case, "cpu", dtype, num_splits)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("case", TINY_PREFILL.values(), ids=TINY_PREFILL.keys())
+def test_interpreted_prefill(case, dtype):
+    check_prefill(case, "cpu", dtype)
+
+
+@interpreted
+def test_interpreted_opcheck():
+    opcheck_ops("cpu", torch.float16)
