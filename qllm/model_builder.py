@@ -11,7 +11,7 @@ import torch
 from qllm.config import EngineConfig
 from qllm.loader import checkpoint_files, init_dummy_weights, iterate_checkpoint, load_weights
 from qllm.model_api import CausalLM
-from qllm.plugins import PluginRegistry
+from qllm.plugins import Kernels, PluginRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +40,11 @@ def load_hf_config(model_dir: str, plugins: PluginRegistry):
     return AutoConfig.from_pretrained(model_dir)
 
 
-def build_model(config: EngineConfig, hf_config, plugins: PluginRegistry,
+def build_model(config: EngineConfig, hf_config, plugins: PluginRegistry, kernels: Kernels,
                 device: torch.device) -> CausalLM:
     """Build on the meta device, materialise on ``device`` in ``config.dtype``, then load the
     checkpoint (or dummy weights) straight into the device tensors."""
     spec = plugins.model_spec(hf_config.architectures)
-    kernels = plugins.kernels(device, config.dtype)
     logger.info("building %s from %s with kernels %s", spec.architecture, spec.plugin,
                 kernels.names())
     with torch.device("meta"):

@@ -151,13 +151,11 @@ class ModelRunner:
         if not sizes or sizes[-1] < self.config.max_num_seqs:
             sizes.append(self.config.max_num_seqs)
         self.graph_sizes = tuple(sizes)
-        # Each bucket is one static-shape graph: let dynamo keep all of them.
-        limit = 2 * len(sizes) + 8
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        # One compile with a symbolic batch size (batch 1 specialises once more); CUDA graph
+        # trees then record one graph per bucket.
         mode = "reduce-overhead" if self.device.type == "cuda" else None
         self.compiled_decode = torch.compile(self._decode_logits, mode=mode, fullgraph=True,
-                                             dynamic=False)
+                                             dynamic=True)
         start = time.perf_counter()
         dummy = ScheduledBatch([], [], is_prefill=False)
         with torch.inference_mode():

@@ -1,0 +1,150 @@
+"""Throughput harness for the workloads of shared/bench/WORKLOADS.md, with random weights at the
+real geometry (``load_format="dummy"`` on a config.json this script writes).
+
+    python benchmarks/throughput.py --workload w1                     # qllm
+    python benchmarks/throughput.py --workload w1 --engine transformers --peer-prompts 64
+
+Prints one JSON line per run: engine, workload, tokens, seconds, tok/s, peak memory, commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+QWEN3_0_6B = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
+    intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+    head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, hidden_act="silu",
+    attention_bias=False, dtype="bfloat16", eos_token_id=151645, bos_token_id=151643)
+
+QWEN3_5_35B_A3B = dict(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text",
+                       dtype="bfloat16")
+
+
+def workload(name: str):
+    """``(config dict, prompts, per-prompt (max_tokens, temperature))`` of a workload."""
+    random.seed(0)
+    if name == "w1":  # identical to nano-vllm's bench.py
+        prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
+                   for _ in range(256)]
+        params = [(random.randint(100, 1024), 0.6) for _ in range(256)]
+        return QWEN3_0_6B, prompts, params
+    if name == "w2":
+        prompts = [[random.randint(0, 9999) for _ in range(1000)] for _ in range(200)]
+        return QWEN3_5_35B_A3B, prompts, [(2000, 0.0)] * 200
+    if name == "w3":
+        prompts = [[random.randint(0, 9999) for _ in range(512)]]
+        return QWEN3_5_35B_A3B, prompts, [(256, 0.0)]
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def write_config(config: dict, num_layers: int | None) -> str:
+    path = tempfile.mkdtemp(prefix="qllm-bench-")
+    config = dict(config)
+    if num_layers:
+        config["num_hidden_layers"] = num_layers
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_qllm(model_dir: str, prompts, params, args) -> dict:
+    from qllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model_dir, load_format="dummy", dtype="bfloat16",
+              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              enforce_eager=args.enforce_eager)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    startup = time.perf_counter() - start
+    sampling = [SamplingParams(temperature=t, max_tokens=m, ignore_eos=True) for m, t in params]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, sampling, use_tqdm=False)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o["token_ids"]) for o in outputs)
+    return {"tokens": tokens, "seconds": seconds, "startup_seconds": round(startup, 1),
+            "kernels": llm.engine.kernels.names(),
+            "decode_graph_sizes": list(llm.engine.runner.graph_sizes)}
+
+
+def run_transformers(model_dir: str, prompts, params, args) -> dict:
+    """transformers ``generate`` in left-padded batches of ``--peer-batch`` prompts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    tokens, seconds = 0, 0.0
+    for start in range(0, len(prompts), args.peer_batch):
+        chunk = prompts[start:start + args.peer_batch]
+        chunk_params = params[start:start + args.peer_batch]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device="cuda")
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk],
+                            device="cuda")
+        max_new = max(m for m, _ in chunk_params)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=max_new,
+                           min_new_tokens=max_new, do_sample=True, temperature=0.6,
+                           pad_token_id=0)
+        torch.cuda.synchronize()
+        seconds += time.perf_counter() - t0
+        tokens += sum(m for m, _ in chunk_params)  # useful tokens only
+    return {"tokens": tokens, "seconds": seconds}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=["w1", "w2", "w3"], default="w1")
+    parser.add_argument("--engine", choices=["qllm", "transformers"], default="qllm")
+    parser.add_argument("--num-layers", type=int, help="fewer layers than the real model")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--peer-prompts", type=int, help="run only the first N prompts")
+    parser.add_argument("--peer-batch", type=int, default=64)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("throughput.py needs a CUDA device", file=sys.stderr)
+        return 2
+    config, prompts, params = workload(args.workload)
+    if args.peer_prompts:
+        prompts, params = prompts[:args.peer_prompts], params[:args.peer_prompts]
+    model_dir = write_config(config, args.num_layers)
+    torch.cuda.reset_peak_memory_stats()
+    run = run_qllm if args.engine == "qllm" else run_transformers
+    result = run(model_dir, prompts, params, args)
+    result.update(engine=args.engine, workload=args.workload, prompts=len(prompts),
+                  tok_per_s=round(result["tokens"] / result["seconds"], 1),
+                  peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                  gpu=torch.cuda.get_device_name(), torch=torch.__version__, commit=commit(),
+                  num_layers=args.num_layers, date=time.strftime("%Y-%m-%d"))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
