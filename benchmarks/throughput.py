@@ -84,7 +84,7 @@ def run_qllm(model_dir: str, prompts, params, args) -> dict:
     tokens = sum(len(o["token_ids"]) for o in outputs)
     return {"tokens": tokens, "seconds": seconds, "startup_seconds": round(startup, 1),
             "kernels": llm.engine.kernels.names(),
-            "decode_graph_sizes": list(llm.engine.runner.graph_sizes)}
+            "decode_graph_sizes": llm.engine.runner.graphs.sizes if llm.engine.runner.graphs else None}
 
 
 def run_transformers(model_dir: str, prompts, params, args) -> dict:

@@ -32,8 +32,13 @@ class CausalLM(nn.Module):
         """Every submodule that needs a cache kind, in layer order."""
         return [m for m in self.modules() if hasattr(m, "layer_kind")]
 
-    def checkpoint_name(self, name: str) -> str | None:
-        """The model's parameter name for a checkpoint tensor name; ``None`` to skip it."""
+    def decoder_layers(self) -> nn.ModuleList:
+        """The repeated blocks, compiled one by one (regional compilation) for decode."""
+        return self.model.layers
+
+    def checkpoint_name(self, name: str) -> str | tuple[str, str] | None:
+        """The model's parameter name for a checkpoint tensor name (or ``(name, shard)`` of a
+        packed parameter); ``None`` to skip it."""
         return name
 
     def tie_weights(self) -> None:

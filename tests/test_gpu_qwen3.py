@@ -25,7 +25,8 @@ def checkpoint(tmp_path_factory):
 
 def test_bf16_last_token_logits_match_transformers(checkpoint):
     path, hf_model = checkpoint
-    llm = LLM(path, dtype="bfloat16", device="cuda", enforce_eager=True, block_size=16)
+    llm = LLM(path, dtype="bfloat16", device="cuda", enforce_eager=True, block_size=16,
+              kv_cache_memory_bytes=1 << 30)
     from test_qwen3_parity import prefill_logits
 
     for prompt in random_prompts([7, 100, 300, 1000], vocab_size=VOCAB):
@@ -41,9 +42,11 @@ def test_compiled_decode_equals_eager(checkpoint):
     path, _ = checkpoint
     prompts = random_prompts([5 + 37 * i for i in range(16)], vocab_size=VOCAB)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    eager = LLM(path, dtype="bfloat16", device="cuda", enforce_eager=True, max_num_seqs=16)
-    compiled = LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=16)
-    assert compiled.engine.runner.compiled_decode is not None
+    eager = LLM(path, dtype="bfloat16", device="cuda", enforce_eager=True, max_num_seqs=16,
+                kv_cache_memory_bytes=1 << 30)
+    compiled = LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=16,
+                   kv_cache_memory_bytes=1 << 30)
+    assert compiled.engine.runner.graphs is not None
     expected = eager.generate(prompts, params, use_tqdm=False)
     got = compiled.generate(prompts, params, use_tqdm=False)
     assert [g["token_ids"] for g in got] == [e["token_ids"] for e in expected]
