@@ -1,0 +1,211 @@
+"""Micro-benchmark of the Triton fused MoE against the plain-torch reference, and its tuner.
+
+Qwen3.5-35B-A3B routed experts (256 experts, top-8, hidden 2048, expert size 512, bf16):
+decode at batch 1/16/64/256 and a 4096-token prefill, routed like the model's router (top-8
+of a softmax over random logits). Times are medians of ``triton.testing.do_bench`` (L2 flushed
+between calls). Decode runs in CUDA graphs in the engine, so its ``ms`` is a graph replay
+(``eager_ms``: plain calls, CPU launch cost included); prefill runs eagerly. ``align_ms`` is
+the slot sort alone. GB/s counts the bytes a call must move at least (the weights of every
+expert hit, read once, plus x and the output) against the H200's ~4.3 TB/s; TFLOP/s counts
+the three matmuls per routed slot. ``torch`` is the plain-torch reference (host-syncs, so
+eager only); ``max_err`` is the largest difference from it. Prints a table, then one JSON
+object per row.
+
+``--tune`` sweeps BLOCK_M and each GEMM's BLOCK_N / BLOCK_K / GROUP_M / num_warps /
+num_stages per token count, checks the winner against the reference and rewrites the shipped
+table (``qllm_kernels_moe/configs/E=256,N=1024,K=2048.json``) entry by entry, so a sweep can be
+split over several runs with ``--tokens``. The full sweep takes the better part of an hour.
+
+    python benchmarks/bench_moe.py [--impl triton torch]
+    python benchmarks/bench_moe.py --tune [--tokens 1 2 4 8 16 32 64 128 256 512 1024 2048 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from qllm_kernels_moe import ops
+from qllm_kernels_moe.align import moe_align
+from qllm_kernels_moe.configs import GemmConfig, MoeConfig, config_path, get_config, load_table
+from qllm_kernels_moe.testing import MoeInputs, moe_inputs
+from qllm_kernels_moe.triton_moe import down, fused_moe_triton, gate_up
+from qllm_qwen3_5.moe import fused_moe as torch_fused_moe
+
+EXPERTS, TOP_K, HIDDEN, INTER, DTYPE = 256, 8, 2048, 512, torch.bfloat16
+PEAK_GBPS = 4300.0
+CASES = {"decode b1": 1, "decode b16": 16, "decode b64": 64, "decode b256": 256,
+         "prefill 4096": 4096}
+TUNE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+SMEM_BYTES = 227 * 1024  # per-block shared memory on H100 / H200
+
+
+def graphed(call):
+    """``call`` captured in a CUDA graph (already warmed up); returns its replay."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
+def time_ms(call, graph: bool, rep: int = 100) -> float:
+    """Median ms of ``call`` (run once first, to compile) over ``rep`` ms of runs, as a graph
+    replay or eagerly."""
+    call()
+    return do_bench(graphed(call) if graph else call, rep=rep, return_mode="median")
+
+
+def traffic(inputs: MoeInputs) -> tuple[int, int]:
+    """(bytes, flops) of one call: each expert hit read once, x read, out written; three
+    matmuls (gate, up, down) per routed slot."""
+    expert_params = 3 * INTER * HIDDEN
+    experts_hit = inputs.topk_ids.unique().numel()
+    nbytes = (experts_hit * expert_params + 2 * inputs.x.numel()) * inputs.x.element_size()
+    return nbytes, 2 * inputs.topk_ids.numel() * expert_params
+
+
+def measure(name: str, tokens: int, impls: list[str]) -> list[dict]:
+    inputs = moe_inputs(tokens, EXPERTS, HIDDEN, INTER, TOP_K, DTYPE, "cuda")
+    nbytes, flops = traffic(inputs)
+    graph = name.startswith("decode")
+    reference = torch_fused_moe(*inputs)
+    rows = []
+    for impl in impls:
+        fn = ops.fused_moe if impl == "triton" else torch_fused_moe
+        out = fn(*inputs)
+        eager_ms = time_ms(lambda: fn(*inputs), graph=False)
+        ms = eager_ms
+        align_ms = None
+        if impl == "triton":
+            ms = time_ms(lambda: fn(*inputs), graph=True) if graph else eager_ms
+            block_m = get_config(tokens, EXPERTS, 2 * INTER, HIDDEN, TOP_K).BLOCK_M
+            align_ms = round(time_ms(lambda: moe_align(inputs.topk_ids, EXPERTS, block_m),
+                                     graph), 4)
+        gbps = nbytes / ms / 1e6
+        rows.append(dict(case=name, impl=impl, tokens=tokens, ms=round(ms, 4),
+                         eager_ms=round(eager_ms, 4), align_ms=align_ms, gbps=round(gbps, 1),
+                         pct_peak_bw=round(100 * gbps / PEAK_GBPS, 1),
+                         tflops=round(flops / ms / 1e9, 1),
+                         max_err=round((out.float() - reference.float()).abs().max().item(),
+                                       4)))
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    header = (f"{'case':<16}{'impl':<8}{'ms':>9}{'eager_ms':>10}{'align_ms':>10}{'GB/s':>9}"
+              f"{'%peak':>7}{'TFLOP/s':>9}{'max_err':>9}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        align = "" if r["align_ms"] is None else f"{r['align_ms']:.4f}"
+        print(f"{r['case']:<16}{r['impl']:<8}{r['ms']:>9.4f}{r['eager_ms']:>10.4f}{align:>10}"
+              f"{r['gbps']:>9.1f}{r['pct_peak_bw']:>7.1f}{r['tflops']:>9.1f}"
+              f"{r['max_err']:>9.4f}")
+    for r in rows:
+        print(json.dumps(r))
+
+
+# ----------------------------------------------------------------------------- tuning
+
+def gemm_candidates(block_m: int, gated: bool, many_blocks_per_expert: bool):
+    """Tiles for one GEMM that fit in shared memory (gated: two weight tiles per stage)."""
+    block_ns = (16, 32, 64, 128) if gated else (32, 64, 128, 256)
+    group_ms = (1, 8) if many_blocks_per_expert else (1,)
+    for n, k, group, warps, stages in itertools.product(block_ns, (64, 128, 256), group_ms,
+                                                        (4, 8), (2, 3, 4, 5)):
+        smem = stages * (block_m * k + (2 if gated else 1) * k * n) * DTYPE.itemsize
+        if smem <= SMEM_BYTES:
+            yield GemmConfig(n, k, group, warps, stages)
+
+
+def best_gemm(run, candidates, graph: bool) -> tuple[float, GemmConfig]:
+    """The fastest candidate of ``run(config)``; candidates that fail to compile are skipped."""
+    best = (float("inf"), None)
+    for config in candidates:
+        try:
+            ms = time_ms(lambda: run(config), graph, rep=25)
+        except triton.runtime.errors.OutOfResources:
+            continue
+        best = min(best, (ms, config), key=lambda pair: pair[0])
+    return best
+
+
+def tune_tokens(tokens: int) -> tuple[MoeConfig, float]:
+    """The fastest config (sort + both GEMMs) for ``tokens`` tokens, and its time in ms."""
+    inputs = moe_inputs(tokens, EXPERTS, HIDDEN, INTER, TOP_K, DTYPE, "cuda")
+    x, w13, w2, topk_weights, topk_ids = inputs
+    graph = tokens <= 256
+    slots_per_expert = tokens * TOP_K / EXPERTS
+    best = (float("inf"), None)
+    for block_m in (16, 32, 64, 128):
+        if block_m > 16 and block_m > 2 * slots_per_expert:
+            continue
+        many = slots_per_expert > block_m
+        sorted_slots = moe_align(topk_ids, EXPERTS, block_m)
+        align_ms = time_ms(lambda: moe_align(topk_ids, EXPERTS, block_m), graph)
+        up_ms, up = best_gemm(
+            lambda c: gate_up(x, w13, sorted_slots, TOP_K, block_m, c),
+            gemm_candidates(block_m, True, many), graph)
+        hidden = gate_up(x, w13, sorted_slots, TOP_K, block_m, up)
+        down_ms, dn = best_gemm(
+            lambda c: down(hidden, w2, topk_weights, sorted_slots, block_m, c),
+            gemm_candidates(block_m, False, many), graph)
+        total = align_ms + up_ms + down_ms
+        print(f"  T={tokens} BLOCK_M={block_m}: align {align_ms:.4f} + up {up_ms:.4f} "
+              f"+ down {down_ms:.4f} = {total:.4f} ms", flush=True)
+        best = min(best, (total, MoeConfig(block_m, up, dn)), key=lambda pair: pair[0])
+    total, config = best
+    reference = torch_fused_moe(x.float(), w13.float(), w2.float(), topk_weights.float(),
+                                topk_ids)
+    torch.testing.assert_close(fused_moe_triton(*inputs, config=config).float(), reference,
+                               atol=2e-2, rtol=2e-2)
+    return config, total
+
+
+def write_table(path: Path, meta: dict, entries: dict[int, dict]) -> None:
+    """The table as JSON, one entry per line."""
+    lines = ["{"] + [f"  {json.dumps(key)}: {json.dumps(value)}," for key, value in meta.items()]
+    lines.append('  "configs": {')
+    items = [f"    {json.dumps(str(key))}: {json.dumps(entries[key])}" for key in sorted(entries)]
+    lines += [",\n".join(items), "  }", "}"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def tune(token_counts: list[int]) -> None:
+    path = config_path(EXPERTS, 2 * INTER, HIDDEN)
+    document = json.loads(path.read_text())
+    entries = {int(key): value for key, value in document.pop("configs").items()}
+    device = torch.cuda.get_device_name()
+    for tokens in token_counts:
+        config, ms = tune_tokens(tokens)
+        entries[tokens] = {**config.to_json(), "tuned_on": device}
+        write_table(path, document, entries)
+        print(f"T={tokens}: {ms:.4f} ms with {config} -> {path.name}", flush=True)
+    load_table.cache_clear()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--impl", nargs="+", default=["triton", "torch"],
+                        choices=["triton", "torch"])
+    parser.add_argument("--tune", action="store_true", help="sweep configs, rewrite the table")
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(TUNE_TOKENS),
+                        help="token counts to tune (with --tune)")
+    args = parser.parse_args()
+    if args.tune:
+        tune(args.tokens)
+        return
+    rows = []
+    for name, tokens in CASES.items():
+        rows += measure(name, tokens, args.impl)
+    print_rows(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Block sizes and launch options of the two expert GEMMs, per MoE shape and token count.
+
+Tables live in ``configs/E={E},N={N},K={K}.json``, named by the ``gate_up_proj`` shape
+``[E, N = 2 * I, K = H]`` (which also fixes ``down_proj``). Each maps token counts to a
+``MoeConfig``; an entry serves every token count above the previous key up to its own, and the
+largest key also serves everything above it. ``benchmarks/bench_moe.py --tune`` writes these
+tables on a GPU. Shapes without a table use ``default_config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tiles of one grouped GEMM; ``BLOCK_N`` counts output columns (for the gated GEMM,
+    intermediate columns: the program reads ``2 * BLOCK_N`` weight rows, gate and up)."""
+
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """``BLOCK_M`` (slots per block, shared by the sort and both GEMMs) and each GEMM's tiles."""
+
+    BLOCK_M: int
+    up: GemmConfig
+    down: GemmConfig
+
+    @classmethod
+    def from_json(cls, entry: dict) -> MoeConfig:
+        return cls(entry["BLOCK_M"], GemmConfig(**entry["up"]), GemmConfig(**entry["down"]))
+
+    def to_json(self) -> dict:
+        return {"BLOCK_M": self.BLOCK_M, "up": dataclasses.asdict(self.up),
+                "down": dataclasses.asdict(self.down)}
+
+
+def config_path(num_experts: int, n: int, k: int) -> Path:
+    """The table for ``gate_up_proj [E, N, K]``."""
+    return CONFIG_DIR / f"E={num_experts},N={n},K={k}.json"
+
+
+@functools.cache
+def load_table(num_experts: int, n: int, k: int) -> dict[int, MoeConfig] | None:
+    """``{max tokens: config}`` sorted by key, or ``None`` when the shape has no table."""
+    path = config_path(num_experts, n, k)
+    if not path.is_file():
+        return None
+    entries = json.loads(path.read_text())["configs"]
+    return {int(key): MoeConfig.from_json(entries[key]) for key in sorted(entries, key=int)}
+
+
+def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
+    """Untuned fallback: 16-row blocks while experts see few tokens (decode: weight reads
+    dominate), larger tiles once they see many (prefill: compute dominates)."""
+    if num_tokens * top_k <= 32 * num_experts:
+        return MoeConfig(16, GemmConfig(64, 128), GemmConfig(128, 128))
+    return MoeConfig(64, GemmConfig(64, 64), GemmConfig(128, 64))
+
+
+def get_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int) -> MoeConfig:
+    """The config for ``num_tokens`` tokens through ``gate_up_proj [E, N, K]`` with top-k."""
+    table = load_table(num_experts, n, k)
+    if table is None:
+        return default_config(num_tokens, num_experts, top_k)
+    for max_tokens, config in table.items():
+        if num_tokens <= max_tokens:
+            return config
+    return config

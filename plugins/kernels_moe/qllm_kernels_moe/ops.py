@@ -1,0 +1,28 @@
+"""The Triton fused MoE as a ``torch.library`` custom op, ``qllm_moe::fused_moe``.
+
+A custom op is opaque to ``torch.compile``: its fake implementation gives the output's shape,
+so a ``fullgraph=True`` decode graph (with a symbolic batch size) stays whole and calls the
+kernel as one node. Inside the op the token count is concrete, so the block-size table and
+the sort's padded sizes are resolved per call. The op and its fake exist without Triton; the
+kernels are imported on the first real call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.library.custom_op("qllm_moe::fused_moe", mutates_args=())
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Routed SwiGLU experts: ``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows, then up rows),
+    ``w2 [E, H, I]``, ``topk_weights`` / ``topk_ids`` ``[T, k]`` -> ``[T, H]`` in ``x.dtype``;
+    the contract of qllm's ``fused_moe`` op (plain-torch reference in ``qllm_qwen3_5.moe``)."""
+    from qllm_kernels_moe.triton_moe import fused_moe_triton
+
+    return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+
+
+@fused_moe.register_fake
+def _fused_moe_fake(x, w13, w2, topk_weights, topk_ids):
+    return x.new_empty(x.shape)

@@ -1,0 +1,146 @@
+"""Fused MoE on Triton: token slots sorted by expert, then two grouped GEMMs.
+
+With ``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows, then up rows), ``w2 [E, H, I]`` and top-k
+routing ``[T, k]`` (``S = T * k`` slots, slot ``t * k + j``):
+
+1. ``moe_align`` lists the slots grouped by expert, in blocks of ``BLOCK_M`` of one expert.
+2. ``gate_up``: per block, the tokens' rows of ``x`` times the expert's gate and up rows (two
+   accumulators over the same ``x`` tile), epilogue ``silu(gate) * up`` -> ``hidden [S, I]``.
+3. ``down``: per block, ``hidden``'s rows times the expert's ``w2``, epilogue times the slot's
+   routing weight -> ``expert_out [S, H]``.
+4. The k slots of a token are adjacent rows: ``expert_out.view(T, k, H).sum(1)``.
+
+Every launch size follows from the shapes (blocks past ``num_blocks`` exit at once), so the
+whole op is free of host syncs and capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qllm_kernels_moe.align import SortedSlots, moe_align
+from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _expert_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, routing_weights_ptr,
+    slots_ptr, block_experts_ptr, num_blocks_ptr,
+    num_slots, N, K,
+    stride_a_row, stride_w_expert, stride_w_row, stride_out_row,
+    SLOTS_PER_A_ROW: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``out[s, n] = sum_k a[s // SLOTS_PER_A_ROW, k] * w[e, n, k]`` for the slots ``s`` of one
+    block of expert ``e``, and ``BLOCK_N`` columns ``n``. ``GATED`` (GEMM 1): ``w`` holds ``N``
+    gate rows then ``N`` up rows, and ``out = silu(gate) * up``. Otherwise (GEMM 2) ``out`` is
+    scaled by ``routing_weights[s]``. Rows of ``a``, ``w``, ``out`` have unit stride."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_m = tl.num_programs(0) // num_n
+    # Grouped order: GROUP_M consecutive row blocks sweep the columns together, so blocks of
+    # the same expert reuse a weight tile from L2.
+    programs_per_group = GROUP_M * num_n
+    first_m = pid // programs_per_group * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + pid % programs_per_group % group_rows
+    pid_n = pid % programs_per_group // group_rows
+    if pid_m >= tl.load(num_blocks_ptr):
+        return
+
+    expert = tl.load(block_experts_ptr + pid_m)
+    slots = tl.load(slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+    slot_mask = slots < num_slots  # padding entries hold num_slots
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    col_mask = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (slots // SLOTS_PER_A_ROW)[:, None] * stride_a_row + ks[None, :]  # [BM, BK]
+    w_ptrs = (w_ptr + expert * stride_w_expert + cols[None, :] * stride_w_row
+              + ks[:, None])  # [BK, BN]: a tile of w[e]^T
+    up_ptrs = w_ptrs + N * stride_w_row  # GATED: the up rows, N below the gate rows
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        k_mask = ks < K - k_start
+        a = tl.load(a_ptrs, mask=slot_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc)
+        if GATED:
+            acc_up = tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0), acc_up)
+            up_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up
+    else:
+        weights = tl.load(routing_weights_ptr + slots, mask=slot_mask, other=0.0)  # [BM]
+        acc = acc * weights.to(tl.float32)[:, None]
+    out_ptrs = out_ptr + slots[:, None] * stride_out_row + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
+             mask=slot_mask[:, None] & col_mask[None, :])
+
+
+def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, routing_weights: torch.Tensor,
+            sorted_slots: SortedSlots, block_m: int, config: GemmConfig, *,
+            slots_per_a_row: int, gated: bool) -> torch.Tensor:
+    n = out.shape[1]
+    grid = (sorted_slots.block_experts.shape[0] * triton.cdiv(n, config.BLOCK_N),)
+    _expert_gemm_kernel[grid](
+        a, w, out, routing_weights,
+        sorted_slots.slots, sorted_slots.block_experts, sorted_slots.num_blocks,
+        out.shape[0], n, a.shape[1],
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        SLOTS_PER_A_ROW=slots_per_a_row, GATED=gated,
+        BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
+        GROUP_M=config.GROUP_M, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_slots: SortedSlots, top_k: int,
+            block_m: int, config: GemmConfig) -> torch.Tensor:
+    """GEMM 1: ``x [T, H]`` through each slot's expert ``w13 [E, 2I, H]`` ->
+    ``silu(gate) * up`` as ``hidden [S, I]`` (row = slot)."""
+    hidden = x.new_empty(top_k * x.shape[0], w13.shape[1] // 2)
+    # no routing weights in GEMM 1: ``hidden`` stands in for the unused pointer
+    return _launch(x, w13, hidden, hidden, sorted_slots, block_m, config,
+                   slots_per_a_row=top_k, gated=True)
+
+
+def down(hidden: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+         sorted_slots: SortedSlots, block_m: int, config: GemmConfig) -> torch.Tensor:
+    """GEMM 2: ``hidden [S, I]`` through each slot's expert ``w2 [E, H, I]``, times the slot's
+    routing weight (``topk_weights [T, k]``, contiguous) -> ``[S, H]``."""
+    expert_out = hidden.new_empty(hidden.shape[0], w2.shape[1])
+    return _launch(hidden, w2, expert_out, topk_weights, sorted_slots, block_m, config,
+                   slots_per_a_row=1, gated=False)
+
+
+def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                     config: MoeConfig | None = None) -> torch.Tensor:
+    """Routed SwiGLU experts, the same contract as the plain-torch ``fused_moe``: ``x [T, H]``,
+    ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``topk_weights`` / ``topk_ids [T, k]`` ->
+    ``[T, H]`` in ``x.dtype``. ``config`` defaults to the table entry for ``T``."""
+    tokens, hidden_size = x.shape
+    num_experts, gate_up_rows, _ = w13.shape
+    top_k = topk_ids.shape[1]
+    if (w13.shape[2] != hidden_size or w2.shape != (num_experts, hidden_size, gate_up_rows // 2)
+            or w13.stride(-1) != 1 or w2.stride(-1) != 1):
+        raise ValueError(f"unsupported expert weights: w13 {tuple(w13.shape)} strides "
+                         f"{w13.stride()}, w2 {tuple(w2.shape)} strides {w2.stride()} for x "
+                         f"{tuple(x.shape)}; expected contiguous [E, 2I, H] and [E, H, I]")
+    if tokens == 0:
+        return x.new_zeros(x.shape)
+    if config is None:
+        config = get_config(tokens, num_experts, gate_up_rows, hidden_size, top_k)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    sorted_slots = moe_align(topk_ids, num_experts, config.BLOCK_M)
+    hidden = gate_up(x, w13, sorted_slots, top_k, config.BLOCK_M, config.up)  # [S, I]
+    expert_out = down(hidden, w2, topk_weights.contiguous(), sorted_slots, config.BLOCK_M,
+                      config.down)  # [S, H]
+    return expert_out.view(tokens, top_k, hidden_size).sum(dim=1)

@@ -1,0 +1,303 @@
+"""The qllm-kernels-moe plugin against the plain-torch ``fused_moe`` (``qllm_qwen3_5.moe``).
+
+- CUDA (skipped without a GPU): bf16 parity for T in {1, 7, 64, 256, 2048} at the
+  Qwen3.5-35B-A3B shape and two smaller ones, skewed routing, every entry of the shipped
+  block-size table, forced configs, fp16, CUDA-graph replay, compiled decode, ``opcheck``.
+- CPU: the sort (``moe_align``) against a naive layout, the config tables, the custom op's fake
+  path under ``torch.compile(fullgraph=True)``, the plugin's registration, and parity at tiny
+  shapes under the Triton interpreter. The interpreter must be switched on before Triton is
+  imported, so ``test_triton_interpreter`` reruns this file's ``interpreted`` tests in a
+  subprocess with ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("qllm_kernels_moe")
+reference = pytest.importorskip("qllm_qwen3_5.moe")
+
+# after the skips above, so the suite runs where the plugin is not installed
+from qllm.plugins import PluginRegistry  # noqa: E402
+from qllm_kernels_moe import ops, plugin  # noqa: E402
+from qllm_kernels_moe.align import max_padded_slots, moe_align  # noqa: E402
+from qllm_kernels_moe.configs import (GemmConfig, MoeConfig, default_config,  # noqa: E402
+                                      get_config, load_table)
+from qllm_kernels_moe.testing import MoeInputs, moe_inputs  # noqa: E402
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Before 3.7 the interpreter calls int() on 1-element arrays, which NumPy >= 2.4 refuses.
+INTERPRETER_WORKS = HAS_TRITON and tuple(
+    int(part) for part in importlib.metadata.version("triton").split(".")[:2]) >= (3, 7)
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+interpreted = pytest.mark.skipif(not INTERPRETING,
+                                 reason="runs inside test_triton_interpreter's subprocess")
+
+# name -> (experts, top_k, hidden, expert intermediate)
+GPU_SHAPES = {
+    "35b-a3b": (256, 8, 2048, 512),
+    "e64-k4": (64, 4, 512, 256),
+    "e8-k2-i96": (8, 2, 256, 96),  # I not a multiple of the column tiles
+}
+GPU_TOKENS = (1, 7, 64, 256, 2048)
+FORCED = {  # every BLOCK_M, and tiles that leave partial column / K tiles
+    "m16": MoeConfig(16, GemmConfig(32, 64), GemmConfig(64, 128, 4)),
+    "m32": MoeConfig(32, GemmConfig(64, 128, 8, 8, 4), GemmConfig(128, 64, 1, 4, 2)),
+    "m64": MoeConfig(64, GemmConfig(128, 64), GemmConfig(256, 64, 8, 8, 3)),
+    "m128": MoeConfig(128, GemmConfig(64, 64, 1, 8, 4), GemmConfig(128, 32, 1, 8, 4)),
+}
+# name -> (tokens, experts, top_k, hidden, intermediate, skew)
+TINY = {
+    "t1-e8-k2": (1, 8, 2, 32, 16, 0.0),
+    "t7-e8-k2-h48-i24": (7, 8, 2, 48, 24, 0.0),
+    "t33-e6-k2-skewed": (33, 6, 2, 32, 16, 10.0),
+    "t40-e16-k4": (40, 16, 4, 64, 32, 0.0),
+}
+TINY_CONFIGS = {
+    "default": None,
+    "m16": MoeConfig(16, GemmConfig(16, 32), GemmConfig(32, 16, 2)),
+    "m32": MoeConfig(32, GemmConfig(32, 16, 4), GemmConfig(16, 32)),
+}
+
+
+def _reference(inputs: MoeInputs) -> torch.Tensor:
+    """The plain-torch op in fp32 on the same (rounded) inputs."""
+    x, w13, w2, topk_weights, topk_ids = inputs
+    return reference.fused_moe(x.float(), w13.float(), w2.float(), topk_weights.float(),
+                               topk_ids)
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype and out.shape == ref.shape
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def check_parity(inputs: MoeInputs, config: MoeConfig | None = None) -> None:
+    """Through the custom op (table config), or the launcher with a forced config."""
+    from qllm_kernels_moe.triton_moe import fused_moe_triton
+
+    out = ops.fused_moe(*inputs) if config is None else fused_moe_triton(*inputs, config=config)
+    _assert_close(out, _reference(inputs), inputs.x.dtype)
+
+
+def opcheck_op(device: str, dtype: torch.dtype) -> None:
+    """``torch.library.opcheck`` (schema, fake tensor, AOT dispatch) on the custom op."""
+    torch.library.opcheck(ops.fused_moe, tuple(moe_inputs(9, 8, 32, 16, 2, dtype, device)))
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+@cuda
+@pytest.mark.parametrize("tokens", GPU_TOKENS, ids=lambda n: f"t{n}")
+@pytest.mark.parametrize("shape", GPU_SHAPES.values(), ids=GPU_SHAPES.keys())
+def test_parity(shape, tokens):
+    experts, top_k, hidden, inter = shape
+    check_parity(moe_inputs(tokens, experts, hidden, inter, top_k, device="cuda"))
+
+
+@cuda
+@pytest.mark.parametrize("tokens", [5, 256], ids=lambda n: f"t{n}")
+def test_skewed_routing(tokens):
+    """Every token on the same 8 experts: many blocks per expert, 248 experts idle."""
+    check_parity(moe_inputs(tokens, 256, 2048, 512, 8, device="cuda", skew=10.0))
+
+
+@cuda
+@pytest.mark.parametrize("max_tokens", sorted(load_table(256, 1024, 2048)))
+def test_every_table_entry(max_tokens):
+    """Each shipped config compiles and is correct at the top of its token range."""
+    config = load_table(256, 1024, 2048)[max_tokens]
+    check_parity(moe_inputs(max_tokens, 256, 2048, 512, 8, device="cuda"), config)
+
+
+@cuda
+@pytest.mark.parametrize("tokens", [3, 300], ids=lambda n: f"t{n}")
+@pytest.mark.parametrize("config", FORCED.values(), ids=FORCED.keys())
+def test_forced_configs(config, tokens):
+    check_parity(moe_inputs(tokens, 64, 512, 200, 4, device="cuda"), config)
+
+
+@cuda
+def test_fp16_and_strided_x():
+    inputs = moe_inputs(64, 64, 512, 256, 4, torch.float16, "cuda")
+    check_parity(inputs)
+    wide = torch.randn(64, 1024, device="cuda", dtype=torch.float16)
+    check_parity(inputs._replace(x=wide[:, ::2]))  # every other column: stride 2
+
+
+@cuda
+def test_cuda_graph_replay():
+    """Captured once, replayed after the routing (and activations) change in place."""
+    inputs = moe_inputs(64, 64, 512, 256, 4, device="cuda")
+    ops.fused_moe(*inputs)  # compile the kernels before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.fused_moe(*inputs)
+    for seed, skew in ((1, 0.0), (2, 10.0)):
+        new = moe_inputs(64, 64, 512, 256, 4, device="cuda", seed=seed, skew=skew)
+        for name in ("x", "topk_weights", "topk_ids"):
+            getattr(inputs, name).copy_(getattr(new, name))
+        graph.replay()
+        _assert_close(out, _reference(inputs), torch.bfloat16)
+
+
+@cuda
+def test_compiled_decode_matches_eager():
+    """A ``fullgraph`` CUDA-graph compile with a dynamic batch size, like the decode step."""
+    compiled = torch.compile(_moe_layer, fullgraph=True, mode="reduce-overhead", dynamic=True)
+    for tokens in (16, 48):
+        inputs = moe_inputs(tokens, 64, 512, 256, 4, device="cuda")
+        eager = ops.fused_moe(*inputs)
+        for _ in range(3):  # warm-up, record, replay
+            out = compiled(*inputs)
+        torch.testing.assert_close(out, eager, atol=0, rtol=0)
+
+
+@cuda
+def test_opcheck_cuda():
+    opcheck_op("cuda", torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- CPU
+
+def _naive_layout(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """The expected padded slot list and block experts, one expert at a time."""
+    flat = topk_ids.flatten().tolist()
+    slots, experts = [], []
+    for e in range(num_experts):
+        mine = [s for s, expert in enumerate(flat) if expert == e]
+        if mine:
+            mine += [len(flat)] * (-len(mine) % block_m)
+            slots += mine
+            experts += [e] * (len(mine) // block_m)
+    return slots, experts
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+@pytest.mark.parametrize("tokens,experts,top_k,skew", [
+    (1, 8, 2, 0.0), (7, 8, 8, 0.0), (64, 256, 8, 0.0), (33, 6, 2, 10.0), (300, 16, 4, 0.0),
+    (1, 256, 8, 10.0),
+], ids=["t1-e8-k2", "t7-k=e", "t64-e256-k8", "t33-skewed", "t300-e16", "t1-e256-skewed"])
+def test_moe_align(tokens, experts, top_k, skew, block_m, id_dtype):
+    topk_ids = moe_inputs(tokens, experts, 8, 8, top_k, skew=skew).topk_ids.to(id_dtype)
+    num_slots = tokens * top_k
+    slots, block_experts, num_blocks = moe_align(topk_ids, experts, block_m)
+    padded = max_padded_slots(num_slots, experts, block_m)
+    assert slots.shape == (padded,) and block_experts.shape == (padded // block_m,)
+
+    used = int(num_blocks) * block_m
+    expected_slots, expected_experts = _naive_layout(topk_ids, experts, block_m)
+    assert slots[:used].tolist() == expected_slots
+    assert block_experts[:int(num_blocks)].tolist() == expected_experts
+    assert (slots[used:] == num_slots).all()  # the unused tail is padding
+
+    valid = slots[slots < num_slots]
+    assert sorted(valid.tolist()) == list(range(num_slots))  # every slot exactly once
+    block_of = torch.arange(padded) // block_m
+    in_use = slots < num_slots
+    assert (topk_ids.flatten()[slots[in_use]] == block_experts[block_of[in_use]]).all()
+
+
+def test_max_padded_slots_is_reached():
+    """The bound is tight: 5 slots over 4 experts, one expert twice, blocks of 4 -> 16."""
+    topk_ids = torch.tensor([[0], [0], [1], [2], [3]])
+    assert max_padded_slots(5, 4, 4) == 16
+    assert int(moe_align(topk_ids, 4, 4).num_blocks) * 4 == 16
+    assert max_padded_slots(2, 256, 16) == 32  # fewer slots than experts
+
+
+def test_config_table():
+    table = load_table(256, 1024, 2048)
+    assert table is not None and list(table) == sorted(table)
+    for config in table.values():
+        assert config.BLOCK_M in (16, 32, 64, 128)
+        for gemm in (config.up, config.down):
+            assert gemm.BLOCK_N >= 16 and gemm.BLOCK_K >= 16
+            assert gemm.num_warps in (2, 4, 8) and 1 <= gemm.num_stages <= 6
+    assert get_config(1, 256, 1024, 2048, 8) == table[1]
+    assert get_config(3, 256, 1024, 2048, 8) == table[4]
+    assert get_config(100_000, 256, 1024, 2048, 8) == table[max(table)]
+    assert load_table(3, 48, 32) is None
+    assert get_config(7, 3, 48, 32, 2) == default_config(7, 3, 2)
+    assert default_config(1, 256, 8).BLOCK_M < default_config(4096, 256, 8).BLOCK_M
+
+
+def _moe_layer(x, w13, w2, topk_weights, topk_ids):
+    """How the model calls the registered kernel (``Experts.forward``)."""
+    return ops.fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
+def test_compile_fullgraph_on_fake_path():
+    """Dynamo and AOT autograd trace the op into one graph, with a symbolic token count as in
+    the decode step, and the fake gives the output (meta tensors: no kernel runs)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for compile_backend in (backend, "aot_eager"):
+        torch._dynamo.reset()
+        compiled = torch.compile(_moe_layer, fullgraph=True, dynamic=True,
+                                 backend=compile_backend)
+        for tokens in (3, 5):
+            inputs = [t.to("meta") for t in moe_inputs(tokens, 8, 32, 16, 2)]
+            out = compiled(*inputs)
+            assert out.device.type == "meta" and out.shape == (tokens, 32)
+            assert out.dtype == torch.bfloat16
+    (graph,) = graphs  # one graph for both token counts
+    targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+    assert targets == [torch.ops.qllm_moe.fused_moe.default]
+
+
+def test_plugin_registration():
+    from qllm_qwen3_5 import plugin as qwen3_5_plugin
+
+    registry = PluginRegistry(extra_plugins=[plugin, qwen3_5_plugin], load_entry_points=False)
+    kernels = registry.kernels(torch.device("cuda"), torch.bfloat16)
+    assert kernels.names()["fused_moe"] == ("triton" if HAS_TRITON else "torch")
+    if HAS_TRITON:
+        assert kernels.fused_moe is ops.fused_moe
+    for device, dtype in (("cpu", torch.bfloat16), ("cuda", torch.float32)):
+        assert registry.kernels(torch.device(device), dtype).names()["fused_moe"] == "torch"
+
+
+@pytest.mark.skipif(not INTERPRETER_WORKS, reason="needs triton >= 3.7 for the interpreter")
+@pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run")
+def test_triton_interpreter():
+    """Runs the ``interpreted`` tests below on the CPU, in a subprocess with the interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-k", "interpreted",
+         "-p", "no:cacheprovider"],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+# The interpreter's tl.dot reads bf16 as raw integers, so these use fp16 and fp32.
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("config", TINY_CONFIGS.values(), ids=TINY_CONFIGS.keys())
+@pytest.mark.parametrize("case", TINY.values(), ids=TINY.keys())
+def test_interpreted_parity(case, config, dtype):
+    tokens, experts, top_k, hidden, inter, skew = case
+    check_parity(moe_inputs(tokens, experts, hidden, inter, top_k, dtype, skew=skew), config)
+
+
+@interpreted
+def test_interpreted_opcheck():
+    opcheck_op("cpu", torch.float16)
