@@ -9,7 +9,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from conftest import assert_cache_free, random_prompts
+from helpers import assert_cache_free, random_prompts
 from qllm import LLM, SamplingParams
 from qllm.loader import CheckpointError
 from qllm.plugins import UnknownArchitectureError

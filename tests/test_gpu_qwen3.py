@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_prompts, save_tiny_qwen3
+from helpers import random_prompts, save_tiny_qwen3
 from qllm import LLM, SamplingParams
 
 pytestmark = [pytest.mark.cuda,

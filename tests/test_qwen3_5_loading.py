@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from conftest import assert_cache_free, random_prompts
+from helpers import assert_cache_free, random_prompts
 from qllm import LLM, SamplingParams
 from qllm.engine.scheduler import ScheduledBatch
 from qllm.engine.sequence import Sequence

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_cache_free, random_prompts
+from helpers import assert_cache_free, random_prompts
 from qllm import LLM, SamplingParams
 from qllm.engine.scheduler import ScheduledBatch
 from qllm.engine.sequence import Sequence

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_cache_free, random_prompts
+from helpers import assert_cache_free, random_prompts
 from qllm import LLM, SamplingParams
 
 
