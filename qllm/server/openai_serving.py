@@ -1,0 +1,263 @@
+"""The OpenAI completions and chat-completions logic: request -> engine -> response.
+
+Status codes (each with an OpenAI error body, see ``api_server``):
+
+- 400: the body is not valid JSON, or is well-formed but cannot be served: a prompt that is
+  empty or has no room to generate within ``max_model_len``, ``max_tokens`` beyond what is
+  left of ``max_model_len``, token ids outside the vocabulary, ``top_k`` = 0, an empty stop
+  string, a conversation the chat template rejects.
+- 404: a ``model`` other than the served one.
+- 422: the body does not match the schema (missing field, wrong type, value out of range).
+- 503: the server is shutting down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+from jinja2 import TemplateError
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from qllm.config import SamplingParams
+from qllm.engine.llm_engine import load_tokenizer
+from qllm.server.async_engine import AsyncEngine, EngineStoppedError, RequestGroup
+from qllm.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI error body and ``status``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param,
+                                                  code=code))
+
+
+class OpenAIServing:
+    """Serves one model; the engine thread behind ``engine`` does all the generating."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self.max_model_len = engine.engine.config.max_model_len
+        # The front end's own tokenizer: the engine thread decodes with the engine's
+        # tokenizer at the same time, and a tokenizer is not safe to share across threads.
+        self.tokenizer = load_tokenizer(engine.engine.config.model)
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
+
+    async def completions(self, request: CompletionRequest, raw: Request):
+        self._check_model(request.model)
+        prompt = request.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "the prompt list is empty", param="prompt")
+        prompts = [self._encode(p, "prompt") for p in prompt]
+        max_tokens = [self._max_tokens(request.max_tokens, ids, DEFAULT_COMPLETION_MAX_TOKENS)
+                      for ids in prompts]
+        return await self._generate(request, prompts, max_tokens, raw, chat=False)
+
+    async def chat(self, request: ChatCompletionRequest, raw: Request):
+        self._check_model(request.model)
+        if self.tokenizer is None:
+            raise APIError(400, f"model {self.model_name!r} has no tokenizer for chat")
+        conversation = [{"role": m.role, "content": m.text()} for m in request.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                      add_generation_prompt=True)
+        except (TemplateError, ValueError) as exc:
+            raise APIError(400, f"the chat template rejected the messages: {exc}",
+                           param="messages") from exc
+        ids = self._encode(text, "messages")
+        max_tokens = self._max_tokens(request.max_completion_tokens or request.max_tokens, ids,
+                                      None)
+        return await self._generate(request, [ids], [max_tokens], raw, chat=True)
+
+    # ------------------------------------------------------------------ validation
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", param="model", code="model_not_found")
+
+    def _encode(self, prompt: str | list[int], param: str) -> list[int]:
+        """Token ids of one prompt, checked to fit ``max_model_len`` with room to generate.
+        (``tokenize`` and ``validate`` only read the engine's vocabulary size and config.)"""
+        try:
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise ValueError(f"model {self.model_name!r} has no tokenizer: "
+                                     f"send token ids")
+                ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            else:
+                ids = self.engine.engine.tokenize(prompt)
+            self.engine.engine.validate(ids)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=param) from exc
+        return ids
+
+    def _max_tokens(self, requested: int | None, prompt: list[int], default: int | None) -> int:
+        """``requested`` if it fits after ``prompt``, else a 400; unset: ``default`` (None:
+        as many as fit), cut to what is left of ``max_model_len``."""
+        room = self.max_model_len - len(prompt)
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise APIError(400, f"this model's maximum context length is "
+                                f"{self.max_model_len} tokens, but {len(prompt) + requested} "
+                                f"were requested ({len(prompt)} in the prompt, {requested} "
+                                f"for the completion)", param="max_tokens")
+        return requested
+
+    @staticmethod
+    def _sampling_params(request, max_tokens: int, choice: int) -> SamplingParams:
+        try:
+            return SamplingParams(
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=-1 if request.top_k is None else request.top_k,
+                max_tokens=max_tokens,
+                seed=None if request.seed is None else request.seed + choice,
+                ignore_eos=request.ignore_eos, stop=request.stop or [])
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+
+    # ------------------------------------------------------------------ generating
+    async def _generate(self, request, prompts: list[list[int]], max_tokens: list[int],
+                        raw: Request, chat: bool):
+        n = request.num_choices
+        params = [self._sampling_params(request, limit, choice)
+                  for limit in max_tokens for choice in range(n)]
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            group = await self.engine.add([ids for ids in prompts for _ in range(n)], params,
+                                          request_id)
+        except EngineStoppedError as exc:
+            raise APIError(503, str(exc), type="server_error") from exc
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+        prompt_tokens = sum(map(len, prompts))
+        if request.stream:
+            return StreamingResponse(self._stream(group, request, prompt_tokens, len(params),
+                                                  chat),
+                                     media_type="text/event-stream")
+        try:
+            texts, reasons, counts = await _unless_disconnected(
+                raw, _collect(group, len(params)))
+        finally:
+            group.abort()
+        usage = _usage(prompt_tokens, counts)
+        if chat:
+            return ChatCompletionResponse(
+                id=request_id, model=self.model_name, usage=usage,
+                choices=[ChatChoice(index=i, message=AssistantMessage(content=text),
+                                    finish_reason=reason)
+                         for i, (text, reason) in enumerate(zip(texts, reasons))])
+        return CompletionResponse(
+            id=request_id, model=self.model_name, usage=usage,
+            choices=[CompletionChoice(index=i, text=text, finish_reason=reason)
+                     for i, (text, reason) in enumerate(zip(texts, reasons))])
+
+    async def _stream(self, group: RequestGroup, request, prompt_tokens: int,
+                      num_choices: int, chat: bool) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per choice per step with new text, the finish
+        reason on its last chunk, usage when asked, then ``[DONE]``. A client that goes away
+        cancels this generator, which aborts the requests."""
+        counts = [0] * num_choices
+        try:
+            if chat:  # OpenAI opens each choice with the assistant role
+                for index in range(len(counts)):
+                    yield _event(self._chat_chunk(group, index, ChatDelta(role="assistant",
+                                                                          content="")))
+            try:
+                async for out in group:
+                    counts[out.index] = out.num_output_tokens
+                    if not out.text and out.finish_reason is None:
+                        continue  # text held back (a stop string may follow)
+                    if chat:
+                        delta = ChatDelta(content=out.text or None)
+                        yield _event(self._chat_chunk(group, out.index, delta,
+                                                      out.finish_reason))
+                    else:
+                        yield _event(CompletionResponse(
+                            id=group.request_id, model=self.model_name,
+                            choices=[CompletionChoice(index=out.index, text=out.text,
+                                                      finish_reason=out.finish_reason)]))
+                if request.include_usage:
+                    chunk_type = ChatCompletionChunk if chat else CompletionResponse
+                    yield _event(chunk_type(id=group.request_id, model=self.model_name,
+                                            choices=[], usage=_usage(prompt_tokens, counts)))
+            except Exception as exc:  # noqa: BLE001 (the engine failed mid-stream; the status is sent)
+                yield _event(APIError(500, f"generation failed: {exc}", type="server_error").body)
+            yield "data: [DONE]\n\n"
+        finally:
+            group.abort()
+
+    def _chat_chunk(self, group: RequestGroup, index: int, delta: ChatDelta,
+                    finish_reason: str | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=group.request_id, model=self.model_name, choices=[
+            ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)])
+
+
+def _event(model) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+def _usage(prompt_tokens: int, completion_counts: list[int]) -> Usage:
+    completion_tokens = sum(completion_counts)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
+
+
+async def _collect(group: RequestGroup, num_choices: int):
+    """Every choice's whole text, finish reason and token count."""
+    texts, reasons, counts = [""] * num_choices, [None] * num_choices, [0] * num_choices
+    async for out in group:
+        texts[out.index] += out.text
+        reasons[out.index] = out.finish_reason
+        counts[out.index] = out.num_output_tokens
+    return texts, reasons, counts
+
+
+async def _unless_disconnected(raw: Request, work):
+    """Await ``work``, cancelling it (499) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise APIError(499, "the client closed the connection")
+    return task.result()
+
+
+async def _disconnected(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
