@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from qllm import SamplingParams
+from qllm.engine.scheduler import ScheduledBatch
+from qllm.engine.sequence import Sequence
+
 
 def perturb_(model: torch.nn.Module, names=("norm",), scale: float = 0.3, seed: int = 0) -> None:
     """Add N(0, scale) noise to parameters whose name contains one of ``names``: freshly
@@ -58,3 +62,17 @@ def assert_cache_free(llm) -> None:
     cache = llm.engine.cache
     assert cache.all_free(), f"cache leak: {cache.usage()}"
     assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+
+
+def prefill_logits(llm, prompt: list[int]) -> torch.Tensor:
+    """qllm's logits ``[T, V]`` at every position of ``prompt`` in one prefill step."""
+    engine = llm.engine
+    seq = Sequence(prompt, SamplingParams(temperature=0))
+    assert engine.cache.admit(seq) and engine.cache.reserve(seq, len(prompt))
+    try:
+        input_ids, positions, batch = engine.runner.prepare(
+            ScheduledBatch([seq], [len(prompt)], is_prefill=True))
+        with torch.inference_mode():
+            return engine.model.compute_logits(engine.model(input_ids, positions, batch))
+    finally:
+        engine.cache.release(seq)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import random_prompts, save_tiny_qwen3
+from helpers import prefill_logits, random_prompts, save_tiny_qwen3
 from qllm import LLM, SamplingParams
 
 pytestmark = [pytest.mark.cuda,
@@ -27,8 +27,6 @@ def test_bf16_last_token_logits_match_transformers(checkpoint):
     path, hf_model = checkpoint
     llm = LLM(path, dtype="bfloat16", device="cuda", enforce_eager=True, block_size=16,
               kv_cache_memory_bytes=1 << 30)
-    from test_qwen3_parity import prefill_logits
-
     for prompt in random_prompts([7, 100, 300, 1000], vocab_size=VOCAB):
         with torch.no_grad():
             expected = hf_model(torch.tensor([prompt], device="cuda")).logits[0, -1].float()

@@ -7,10 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_cache_free, random_prompts
+from helpers import assert_cache_free, prefill_logits, random_prompts
 from qllm import LLM, SamplingParams
-from qllm.engine.scheduler import ScheduledBatch
-from qllm.engine.sequence import Sequence
 
 qwen3_5_testing = pytest.importorskip("qllm_qwen3_5.testing")
 
@@ -33,20 +31,6 @@ def reference(request, tmp_path_factory):
     model = qwen3_5_testing.save_checkpoint(request.param, path)
     prompts = random_prompts(LENGTHS)
     return path, model, prompts, qwen3_5_testing.hf_greedy(model, prompts, MAX_TOKENS)
-
-
-def prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    """qllm's logits ``[T, V]`` at every position of ``prompt`` in one prefill step."""
-    engine = llm.engine
-    seq = Sequence(prompt, GREEDY)
-    assert engine.cache.admit(seq) and engine.cache.reserve(seq, len(prompt))
-    try:
-        input_ids, positions, batch = engine.runner.prepare(
-            ScheduledBatch([seq], [len(prompt)], is_prefill=True))
-        with torch.inference_mode():
-            return engine.model.compute_logits(engine.model(input_ids, positions, batch))
-    finally:
-        engine.cache.release(seq)
 
 
 def test_prefill_logits_match_transformers(reference):

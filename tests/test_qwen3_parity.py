@@ -5,28 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_cache_free, hf_greedy, random_prompts
+from helpers import assert_cache_free, hf_greedy, prefill_logits, random_prompts
 from qllm import LLM, SamplingParams
-from qllm.engine.scheduler import ScheduledBatch
-from qllm.engine.sequence import Sequence
 
 MAX_TOKENS = 64
 LENGTHS = [3, 17, 40, 64, 65, 100, 129, 200, 7, 33]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-def prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    """qllm's logits ``[T, V]`` at every position of ``prompt`` in one prefill step."""
-    engine = llm.engine
-    seq = Sequence(prompt, GREEDY)
-    assert engine.cache.admit(seq) and engine.cache.reserve(seq, len(prompt))
-    try:
-        input_ids, positions, batch = engine.runner.prepare(
-            ScheduledBatch([seq], [len(prompt)], is_prefill=True))
-        with torch.inference_mode():
-            return engine.model.compute_logits(engine.model(input_ids, positions, batch))
-    finally:
-        engine.cache.release(seq)
 
 
 @pytest.fixture(scope="module")
