@@ -20,6 +20,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, help="tokens per prefill step")
     group.add_argument("--max-model-len", type=int, help="longest prompt + output")
     group.add_argument("--gpu-memory-utilization", type=float)
+    group.add_argument("--kv-cache-memory-bytes", type=int,
+                       help="memory for the KV cache (default: 2 GiB on CPU, what the GPU "
+                            "memory utilization leaves on CUDA)")
+    group.add_argument("--block-size", type=int, help="tokens per KV-cache block")
     group.add_argument("--enforce-eager", action="store_true", default=None,
                        help="no torch.compile / CUDA graphs")
     group.add_argument("--load-format", choices=["auto", "safetensors", "dummy"])
@@ -28,7 +32,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 def engine_options(args: argparse.Namespace) -> dict:
     """The engine options given on the command line, as ``LLM`` keyword arguments."""
     names = ["dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-             "gpu_memory_utilization", "enforce_eager", "load_format"]
+             "gpu_memory_utilization", "kv_cache_memory_bytes", "block_size", "enforce_eager",
+             "load_format"]
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
