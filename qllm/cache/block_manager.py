@@ -81,10 +81,11 @@ class BlockManager:
     def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more computed tokens; False (and no change) if the
         pool lacks the blocks."""
-        if not self.can_reserve(seq, num_new_tokens):
+        missing = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) \
+            - len(seq.block_table)
+        if missing > self.num_free_blocks:
             return False
-        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
-        while len(seq.block_table) < needed:
+        for _ in range(missing):
             block = self._take_free()
             self._forget(block)
             block.ref_count = 1

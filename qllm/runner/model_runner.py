@@ -59,17 +59,18 @@ class ModelRunner:
         inert rows up to ``pad_to`` sequences (decode only)."""
         input_ids, positions, slot_mapping = [], [], []
         query_start_loc, seq_lens, context_lens, logits_indices = [0], [], [], []
+        bs = self.block_size
         for seq, n in zip(scheduled.seqs, scheduled.num_tokens):
-            start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            for pos in range(start, start + n):
-                slot_mapping.append(seq.block_table[pos // self.block_size] * self.block_size
-                                    + pos % self.block_size if seq.block_table else 0)
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            table = seq.block_table
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slot_mapping += [table[pos // bs] * bs + pos % bs for pos in range(start, end)] \
+                if table else [0] * n  # a model without paged layers
             query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(start + n)
+            seq_lens.append(end)
             context_lens.append(start)
-            if start + n == len(seq):
+            if end == len(seq):
                 logits_indices.append(query_start_loc[-1] - 1)
         tables = [seq.block_table for seq in scheduled.seqs]
         slots = [seq.recurrent_slot if seq.recurrent_slot is not None else self.padding_slot
