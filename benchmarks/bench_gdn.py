@@ -1,0 +1,160 @@
+"""Micro-benchmark of the Gated DeltaNet kernels against the plain-torch reference ops.
+
+Qwen3.5-35B-A3B linear-attention geometry (16 key heads x 128, 32 value heads x 128, conv
+kernel 4 over 8192 channels; hidden 2048 feeds the projections, which are not timed), bf16
+activations, fp32 SSM state and bf16 conv state: decode at batch 1/16/64/200 (every sequence
+with state, slots out of order) and prefill of 8 sequences x 1000 new tokens from scratch.
+Implementations: ``triton`` (this plugin's kernels), ``torch`` (``qllm.ops.gdn``), and where
+fla-core is installed ``fla`` (prefill: the registered chunked kernel; decode: not registered,
+fla's ``fused_recurrent_gated_delta_rule`` with the slot states gathered before and scattered
+after, the unfused design the in-place kernel replaces).
+
+Times are medians of ``triton.testing.do_bench`` (L2 flushed between calls). Decode runs in
+CUDA graphs in the engine, so its ``ms`` is a graph replay (``eager_ms``: plain calls, CPU
+launch cost included); prefill runs eagerly. GB/s counts the bytes a call must move at least
+(each state slot read and written once, inputs read, outputs written; the state is most of it
+at decode) against the H200's ~4.3 TB/s. ``max_err`` is the largest difference from the torch
+reference's output. Prints a table, then one JSON object per row.
+
+    python benchmarks/bench_gdn.py [--impl triton torch fla] [--batches 1 16 64 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+
+import torch
+from triton.testing import do_bench
+
+from qllm.ops import gdn as reference
+from qllm_kernels_gdn import ops
+from qllm_kernels_gdn.testing import QWEN3_5_35B_A3B, conv_inputs, gdn_inputs, random_batch
+
+GEOMETRY = QWEN3_5_35B_A3B
+DTYPE, SSM_DTYPE, CONV_DTYPE = torch.bfloat16, torch.float32, torch.bfloat16
+NUM_SLOTS = 256
+PEAK_GBPS = 4300.0
+PREFILL_SEQS, PREFILL_LEN = 8, 1000
+HAS_FLA = importlib.util.find_spec("fla") is not None
+
+
+def fla_decode(q, k, v, g, beta, ssm_state, batch):
+    """Decode through fla's fused recurrent kernel: gather the slots, run, scatter back."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    slots = batch.recurrent_slots
+    initial = torch.where(batch.has_initial_state[:, None, None, None],
+                          ssm_state[slots].float(), 0.0)  # [B, Hv, dk, dv]
+    out, final = fused_recurrent_gated_delta_rule(
+        q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], initial_state=initial,
+        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ssm_state.index_copy_(0, slots, final.to(ssm_state.dtype))
+    return out[:, 0]
+
+
+IMPLS = {
+    "conv_update": {"triton": ops.causal_conv1d_update,
+                    "torch": reference.causal_conv1d_update},
+    "conv_prefill": {"triton": ops.causal_conv1d_prefill,
+                     "torch": reference.causal_conv1d_prefill},
+    "gdn_decode": {"triton": ops.gdn_decode, "torch": reference.gdn_decode, "fla": fla_decode},
+    "gdn_prefill": {"triton": ops.gdn_prefill, "torch": reference.gdn_prefill,
+                    "fla": ops.fla_gdn_prefill},
+}
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def case_args(kind: str, batch) -> tuple[tuple, int]:
+    """Arguments of one call and the bytes it must move: slots read and written once,
+    inputs read, output (the size of ``x`` / ``v``) written."""
+    slots = batch.recurrent_slots
+    if kind.startswith("conv"):
+        x = conv_inputs(batch, GEOMETRY, NUM_SLOTS, DTYPE, CONV_DTYPE)
+        return (x.x, x.weight, x.conv_state, batch), (
+            2 * _nbytes(x.conv_state[slots]) + 2 * _nbytes(x.x) + _nbytes(x.weight))
+    x = gdn_inputs(batch, GEOMETRY, NUM_SLOTS, DTYPE, SSM_DTYPE)
+    return x.args(), (2 * _nbytes(x.ssm_state[slots]) + _nbytes(x.q, x.k, x.g, x.beta)
+                      + 2 * _nbytes(x.v))
+
+
+def graphed(call):
+    """``call`` captured in a CUDA graph (already warmed up); returns its replay."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
+def measure(kind: str, name: str, batch, impls: list[str]) -> list[dict]:
+    """Rows of ``impls`` on one case. The torch reference runs first (timed only if asked
+    for): its output is what ``max_err`` compares against."""
+    args, nbytes = case_args(kind, batch)
+    state_index = 2 if kind.startswith("conv") else 5
+    initial_state = args[state_index].clone()
+    expected = None
+    rows = []
+    for impl in ["torch", *(i for i in impls if i != "torch" and i in IMPLS[kind])]:
+        fn = IMPLS[kind][impl]
+        args[state_index].copy_(initial_state)  # every implementation starts from one state
+        call = functools.partial(fn, *args)
+        row = dict(kind=kind, case=name, impl=impl, batch=batch.num_seqs,
+                   tokens=batch.slot_mapping.shape[0])
+        try:
+            out = call()
+            if impl == "torch":
+                expected = out.float()
+                if impl not in impls:
+                    continue
+            eager_ms = do_bench(call, return_mode="median")
+            ms = do_bench(graphed(call), return_mode="median") if kind.endswith(
+                ("update", "decode")) else eager_ms
+        except Exception as error:  # noqa: BLE001 - one failing implementation keeps the table
+            rows.append({**row, "error": f"{type(error).__name__}: {error}"[:200]})
+            continue
+        gbps = nbytes / ms / 1e6
+        rows.append({**row, "ms": round(ms, 4), "eager_ms": round(eager_ms, 4),
+                     "gbps": round(gbps, 1), "pct_peak_bw": round(100 * gbps / PEAK_GBPS, 1),
+                     "mtok_s": round(row["tokens"] / ms / 1e3, 2),
+                     "max_err": round((out.float() - expected).abs().max().item(), 4)})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--impl", nargs="+", default=["triton", "fla", "torch"],
+                        choices=["triton", "fla", "torch"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64, 200])
+    args = parser.parse_args()
+    impls = [i for i in args.impl if i != "fla" or HAS_FLA]
+
+    rows = []
+    for batch_size in args.batches:
+        batch = random_batch([1] * batch_size, NUM_SLOTS, True, device="cuda", seed=batch_size)
+        for kind in ("conv_update", "gdn_decode"):
+            rows += measure(kind, f"decode b{batch_size}", batch, impls)
+    batch = random_batch([PREFILL_LEN] * PREFILL_SEQS, NUM_SLOTS, False, device="cuda")
+    for kind in ("conv_prefill", "gdn_prefill"):
+        rows += measure(kind, f"prefill {PREFILL_SEQS}x{PREFILL_LEN}", batch, impls)
+
+    header = (f"{'op':<14}{'case':<18}{'impl':<8}{'ms':>9}{'eager_ms':>10}{'GB/s':>9}"
+              f"{'%peak':>7}{'Mtok/s':>9}{'max_err':>9}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['kind']:<14}{r['case']:<18}{r['impl']:<8}  {r['error']}")
+            continue
+        print(f"{r['kind']:<14}{r['case']:<18}{r['impl']:<8}{r['ms']:>9.4f}{r['eager_ms']:>10.4f}"
+              f"{r['gbps']:>9.1f}{r['pct_peak_bw']:>7.1f}{r['mtok_s']:>9.2f}{r['max_err']:>9.4f}")
+    for r in rows:
+        print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Chunked gated delta rule for prefill through fla's Triton kernels (``fla-core``, import name
+``fla``; contract and reference: ``qllm.ops.gdn``).
+
+``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` does what qllm's ``gdn_prefill`` asks over
+packed varlen sequences (``cu_seqlens``): L2 norm of q/k in the kernel
+(``use_qk_l2norm_in_kernel``), grouped value heads (value head ``h`` reads key head
+``h // (Hv / Hk)``, the same consecutive sharing as ``repeat_interleave``), ``scale = dk ** -0.5``,
+chunks of 64 with the WY/UT transform on tensor cores, an fp32 initial state per sequence and an
+fp32 final state. It takes and returns states by sequence, not by slot, so this wrapper gathers
+the slots (zeros where a sequence starts fresh) and scatters the final states back: one read and
+one write of ``B`` states, small next to the prefill itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+
+def chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, ssm_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                  slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+    """``q, k [T, Hk, dk]`` raw, ``v [T, Hv, dv]``, ``g, beta [T, Hv]``, sequences split at
+    ``cu_seqlens [B + 1]``; ``ssm_state [S + 1, Hv, dk, dv]`` read and written at ``slots [B]``.
+    Returns ``o [T, Hv, dv]`` in ``v.dtype``."""
+    initial = torch.where(has_state[:, None, None, None], ssm_state[slots].float(), 0.0)
+    # fla memoises index tensors derived from cu_seqlens by object identity: a fresh tensor per
+    # call keeps a caller's in-place reuse of query_start_loc from hitting a stale entry.
+    cu_seqlens = cu_seqlens.to(torch.int64, copy=True)
+    out, final = chunk_gated_delta_rule(
+        q[None], k[None], v[None], g[None].float(), beta[None], initial_state=initial,
+        output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+    ssm_state.index_copy_(0, slots, final.to(ssm_state.dtype))  # final: [B, Hv, dk, dv] fp32
+    return out[0].to(v.dtype)

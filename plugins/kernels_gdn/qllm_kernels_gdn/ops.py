@@ -1,0 +1,134 @@
+"""The kernels as ``torch.library`` custom ops (namespace ``qllm_gdn``), and the functions
+registered for qllm's ops, which unpack the ``ForwardBatch`` into them.
+
+A custom op is opaque to ``torch.compile``: its fake implementation gives the output's shape
+and ``mutates_args`` names the state it updates in place, so a ``fullgraph=True`` decode graph
+stays whole and calls each kernel as one node. The ops and their fakes exist without Triton or
+fla; the kernels are imported on the first real call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qllm.runner.batch import ForwardBatch
+
+
+# ----------------------------------------------------------------------------- causal conv1d
+
+@torch.library.custom_op("qllm_gdn::conv1d_update", mutates_args=("conv_state",))
+def conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                  slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+    """Conv + SiLU of one token per sequence, ``x [B, C]`` -> ``[B, C]``; shifts the slots."""
+    from qllm_kernels_gdn.triton_conv import conv1d_update as launch
+
+    return launch(x, weight, conv_state, slots, has_state)
+
+
+@conv1d_update.register_fake
+def _conv1d_update_fake(x, weight, conv_state, slots, has_state):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("qllm_gdn::conv1d_prefill", mutates_args=("conv_state",))
+def conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                   cu_seqlens: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
+                   max_query_len: int) -> torch.Tensor:
+    """Conv + SiLU over packed varlen tokens, ``x [T, C]`` -> ``[T, C]``; refills the slots."""
+    from qllm_kernels_gdn.triton_conv import conv1d_prefill as launch
+
+    return launch(x, weight, conv_state, cu_seqlens, slots, has_state, max_query_len)
+
+
+@conv1d_prefill.register_fake
+def _conv1d_prefill_fake(x, weight, conv_state, cu_seqlens, slots, has_state, max_query_len):
+    return x.new_empty(x.shape)
+
+
+# ----------------------------------------------------------------------------- gated delta rule
+
+@torch.library.custom_op("qllm_gdn::recurrent_decode", mutates_args=("ssm_state",))
+def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor,
+                     has_state: torch.Tensor) -> torch.Tensor:
+    """One recurrent step per sequence, ``v [B, Hv, dv]`` -> ``o [B, Hv, dv]``; updates the
+    slots in place."""
+    from qllm_kernels_gdn.triton_recurrent import gated_delta_rule
+
+    return gated_delta_rule(q, k, v, g, beta, ssm_state, slots, has_state)
+
+
+@recurrent_decode.register_fake
+def _recurrent_decode_fake(q, k, v, g, beta, ssm_state, slots, has_state):
+    return v.new_empty(v.shape)
+
+
+@torch.library.custom_op("qllm_gdn::recurrent_prefill", mutates_args=("ssm_state",))
+def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, ssm_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                      slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+    """Token-by-token gated delta rule over packed varlen sequences, ``v [T, Hv, dv]`` ->
+    ``o [T, Hv, dv]``; updates the slots in place."""
+    from qllm_kernels_gdn.triton_recurrent import gated_delta_rule
+
+    return gated_delta_rule(q, k, v, g, beta, ssm_state, slots, has_state, cu_seqlens)
+
+
+@recurrent_prefill.register_fake
+def _recurrent_prefill_fake(q, k, v, g, beta, ssm_state, cu_seqlens, slots, has_state):
+    return v.new_empty(v.shape)
+
+
+@torch.library.custom_op("qllm_gdn::fla_chunk_prefill", mutates_args=("ssm_state",))
+def fla_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, ssm_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                      slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+    """fla's chunked gated delta rule over packed varlen sequences, ``v [T, Hv, dv]`` ->
+    ``o [T, Hv, dv]``; reads and writes the slots."""
+    from qllm_kernels_gdn.fla_chunk import chunk_prefill
+
+    return chunk_prefill(q, k, v, g, beta, ssm_state, cu_seqlens, slots, has_state)
+
+
+@fla_chunk_prefill.register_fake
+def _fla_chunk_prefill_fake(q, k, v, g, beta, ssm_state, cu_seqlens, slots, has_state):
+    return v.new_empty(v.shape)
+
+
+# ----------------------------------------------------------------------------- qllm's ops
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                         batch: ForwardBatch) -> torch.Tensor:
+    """``causal_conv1d_update`` for qllm (see ``qllm.ops.gdn``); tensor-only."""
+    return conv1d_update(x, weight, conv_state, batch.recurrent_slots, batch.has_initial_state)
+
+
+def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                          batch: ForwardBatch) -> torch.Tensor:
+    """``causal_conv1d_prefill`` for qllm (see ``qllm.ops.gdn``); no host sync."""
+    return conv1d_prefill(x, weight, conv_state, batch.query_start_loc, batch.recurrent_slots,
+                          batch.has_initial_state, batch.max_query_len)
+
+
+def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, ssm_state: torch.Tensor, batch: ForwardBatch
+               ) -> torch.Tensor:
+    """``gdn_decode`` for qllm (see ``qllm.ops.gdn``); tensor-only, CUDA-graph capturable."""
+    return recurrent_decode(q, k, v, g, beta, ssm_state, batch.recurrent_slots,
+                            batch.has_initial_state)
+
+
+def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, ssm_state: torch.Tensor, batch: ForwardBatch
+                ) -> torch.Tensor:
+    """``gdn_prefill`` for qllm through the recurrent Triton kernel (the fallback to fla)."""
+    return recurrent_prefill(q, k, v, g, beta, ssm_state, batch.query_start_loc,
+                             batch.recurrent_slots, batch.has_initial_state)
+
+
+def fla_gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor, ssm_state: torch.Tensor, batch: ForwardBatch
+                    ) -> torch.Tensor:
+    """``gdn_prefill`` for qllm through fla's chunked kernels."""
+    return fla_chunk_prefill(q, k, v, g, beta, ssm_state, batch.query_start_loc,
+                             batch.recurrent_slots, batch.has_initial_state)

@@ -1,0 +1,51 @@
+"""qllm plugin entry point: registers the Gated DeltaNet kernels through ``qllm_kernels``.
+
+- ``triton`` (priority 10, above the plain-torch references' 0): ``causal_conv1d_prefill``,
+  ``causal_conv1d_update``, ``gdn_decode`` and ``gdn_prefill`` (token-by-token recurrence) on
+  CUDA when Triton is importable.
+- ``fla`` (priority 20, so it wins over the recurrent prefill): ``gdn_prefill`` through fla's
+  chunked kernels, available only where ``fla-core`` is installed (``pip install
+  qllm-kernels-gdn[fla]``).
+
+No kernel here uses ``tl.dot`` on its inputs, so every float activation dtype is served.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from qllm.hookspecs import hookimpl
+from qllm.specs import KernelSpec
+from qllm_kernels_gdn import ops
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_FLA = importlib.util.find_spec("fla") is not None
+
+
+def triton_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """The Triton kernels need CUDA, a float activation dtype and Triton."""
+    return HAS_TRITON and device.type == "cuda" and dtype in FLOAT_DTYPES
+
+
+def fla_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """fla's kernels need the same, and ``fla-core``."""
+    return HAS_FLA and triton_available(device, dtype)
+
+
+@hookimpl
+def qllm_kernels():
+    def triton(op, fn):
+        return KernelSpec(op=op, name="triton", fn=fn, priority=10,
+                          is_available=triton_available)
+
+    return [
+        triton("causal_conv1d_prefill", ops.causal_conv1d_prefill),
+        triton("causal_conv1d_update", ops.causal_conv1d_update),
+        triton("gdn_decode", ops.gdn_decode),
+        triton("gdn_prefill", ops.gdn_prefill),
+        KernelSpec(op="gdn_prefill", name="fla", fn=ops.fla_gdn_prefill, priority=20,
+                   is_available=fla_available),
+    ]

@@ -1,0 +1,137 @@
+"""Random Gated DeltaNet inputs for the parity tests and the benchmark, laid out as the model
+layer hands them to the ops (``qllm_qwen3_5.deltanet``): the conv input is a column slice of the
+fused input projection, ``q, k, v`` are views into the conv output, ``g`` is fp32."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from qllm.runner.batch import ForwardBatch
+
+
+@dataclass
+class GDNGeometry:
+    """Head counts and sizes of one GDN layer, and its conv kernel width."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int = 4
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+
+QWEN3_5_35B_A3B = GDNGeometry(16, 32, 128, 128)
+
+
+def make_batch(query_lens: list[int], slots: list[int], has_state: list[bool],
+               device: str | torch.device = "cpu") -> ForwardBatch:
+    """A ``ForwardBatch`` carrying what the GDN ops read (decode when every length is 1)."""
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    zeros = torch.zeros(len(query_lens), dtype=torch.int32, device=device)
+    is_prefill = max(query_lens) > 1
+    return ForwardBatch(
+        is_prefill=is_prefill,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=zeros, context_lens=zeros,
+        block_tables=torch.zeros(len(query_lens), 1, dtype=torch.int32, device=device),
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64, device=device),
+        recurrent_slots=torch.tensor(slots, dtype=torch.int64, device=device),
+        has_initial_state=torch.tensor(has_state, dtype=torch.bool, device=device),
+        logits_indices=torch.tensor(starts[1:], dtype=torch.int64, device=device) - 1,
+        query_lens_host=list(query_lens) if is_prefill else None,
+        max_query_len=max(query_lens))
+
+
+def random_batch(query_lens: list[int], num_slots: int, has_state: bool | list[bool],
+                 num_padding: int = 0, device: str | torch.device = "cpu",
+                 seed: int = 0) -> ForwardBatch:
+    """Sequences in slots drawn out of order from ``range(num_slots)``, then ``num_padding``
+    one-token rows in the padding slot ``num_slots`` without state (a CUDA-graph bucket's
+    inert rows). ``has_state``: one flag for all sequences, or one each."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(num_slots, generator=gen)[:len(query_lens)].tolist()
+    flags = has_state if isinstance(has_state, list) else [has_state] * len(query_lens)
+    return make_batch(list(query_lens) + [1] * num_padding, slots + [num_slots] * num_padding,
+                      list(flags) + [False] * num_padding, device)
+
+
+@dataclass
+class ConvInputs:
+    """``x [T, C]`` (a column slice of a wider projection), ``weight [C, K]`` (a view of the
+    layer's ``[C, 1, K]`` conv weight), stale-filled ``conv_state [S + 1, C, K - 1]``."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    conv_state: torch.Tensor
+    batch: ForwardBatch
+
+
+@dataclass
+class GDNInputs:
+    """``q, k [T, Hk, dk]`` and ``v [T, Hv, dv]`` raw views into one ``[T, C]`` tensor,
+    ``g [T, Hv]`` fp32 (model-like decays), ``beta [T, Hv]``, stale-filled
+    ``ssm_state [S + 1, Hv, dk, dv]``."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    ssm_state: torch.Tensor
+    batch: ForwardBatch
+
+    def args(self) -> tuple:
+        """Positional arguments of ``gdn_prefill`` / ``gdn_decode``."""
+        return self.q, self.k, self.v, self.g, self.beta, self.ssm_state, self.batch
+
+
+def conv_inputs(batch: ForwardBatch, geometry: GDNGeometry, num_slots: int,
+                dtype: torch.dtype, state_dtype: torch.dtype, seed: int = 0) -> ConvInputs:
+    """Conv inputs for ``batch``'s tokens, on its device."""
+    device = batch.query_start_loc.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tokens, channels = batch.slot_mapping.shape[0], geometry.conv_dim
+
+    def randn(*shape, dtype=dtype):
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+    projection = randn(tokens, channels + 2 * geometry.num_v_heads)  # [T, C + b/a columns]
+    return ConvInputs(
+        x=projection[:, :channels],
+        weight=randn(channels, 1, geometry.conv_kernel)[:, 0, :],
+        conv_state=randn(num_slots + 1, channels, geometry.conv_kernel - 1, dtype=state_dtype),
+        batch=batch)
+
+
+def gdn_inputs(batch: ForwardBatch, geometry: GDNGeometry, num_slots: int,
+               dtype: torch.dtype, state_dtype: torch.dtype, seed: int = 0) -> GDNInputs:
+    """Gated delta rule inputs for ``batch``'s tokens, on its device."""
+    device = batch.query_start_loc.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tokens = batch.slot_mapping.shape[0]
+    hk, hv, dk, dv = (geometry.num_k_heads, geometry.num_v_heads, geometry.head_k_dim,
+                      geometry.head_v_dim)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device)
+
+    conv_out = randn(tokens, geometry.conv_dim).to(dtype)  # [T, C] = [q | k | v]
+    q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    # g = -exp(A_log) * softplus(a + dt_bias), a ~ N(0, 1), dt_bias = -1: typical per-token
+    # decays exp(g) from ~0.99 (first head) to ~0.3 (last head)
+    a_log = torch.linspace(-4.0, 1.0, hv, device=device)
+    g = -a_log.exp() * F.softplus(randn(tokens, hv) - 1.0)  # [T, Hv] fp32
+    return GDNInputs(
+        q=q.unflatten(-1, (hk, dk)), k=k.unflatten(-1, (hk, dk)), v=v.unflatten(-1, (hv, dv)),
+        g=g, beta=randn(tokens, hv).sigmoid().to(dtype),
+        ssm_state=(0.5 * randn(num_slots + 1, hv, dk, dv)).to(state_dtype),
+        batch=batch)

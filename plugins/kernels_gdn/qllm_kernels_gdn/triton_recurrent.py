@@ -1,0 +1,121 @@
+"""Fused recurrent gated delta rule that reads and updates each sequence's slot state in place
+(contract and reference: ``qllm.ops.gdn``).
+
+One program per (block of ``BV`` value dims, value head, sequence) holds its ``[dk, BV]`` slice
+of the state in registers in fp32 and walks the sequence's tokens in order; per token it
+L2-normalises ``q`` and ``k`` of its key head (``head // (Hv / Hk)``: consecutive value heads
+share a key head), scales ``q`` by ``dk ** -0.5``, and runs::
+
+    S = S * exp(g_t);  delta = beta_t * (v_t - k_t^T S);  S = S + k_t (x) delta;  o_t = q_t^T S
+
+The state is read from ``ssm_state[slots[i]]`` (zeros where ``has_state[i]`` is False) and the
+final one written back to the same place, so decode needs no gather/scatter copies and no host
+value: the launch depends on shapes only and is CUDA-graph capturable. Decode (one token per
+sequence, token ``i`` of sequence ``i``) and varlen prefill (tokens split at ``cu_seqlens``)
+share the kernel; prefill walks each sequence sequentially, the fallback where fla's chunked
+kernels are missing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+L2NORM_EPS = 1e-6
+MIN_PROGRAMS = 512  # below this many programs at BV = 32, halve BV to fill the GPU's SMs
+
+
+@triton.jit
+def _gated_delta_rule_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr,
+    cu_seqlens_ptr, slots_ptr, has_state_ptr,
+    scale, eps,
+    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    stride_g_tok, stride_g_head, stride_beta_tok, stride_beta_head,
+    stride_out_tok, stride_out_head,
+    stride_s_slot, stride_s_head, stride_s_k, stride_s_v,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr,
+):
+    block_v = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    if VARLEN:
+        bos = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+        eos = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
+    else:
+        bos = seq.to(tl.int64)
+        eos = bos + 1
+    key_head = head // GROUP
+    dims_k = tl.arange(0, BK)
+    dims_v = block_v * BV + tl.arange(0, BV)
+    mask_k = dims_k < DK
+    mask_v = dims_v < DV
+    mask_s = mask_k[:, None] & mask_v[None, :]
+
+    slot = tl.load(slots_ptr + seq)
+    has_state = tl.load(has_state_ptr + seq)
+    state = (state_ptr + slot * stride_s_slot + head * stride_s_head
+             + dims_k[:, None] * stride_s_k + dims_v[None, :] * stride_s_v)  # [BK, BV]
+    h = tl.load(state, mask=mask_s & has_state, other=0.0).to(tl.float32)  # [BK, BV]
+
+    for t in range(bos, eos):
+        q = tl.load(q_ptr + t * stride_q_tok + key_head * stride_q_head + dims_k, mask=mask_k,
+                    other=0.0).to(tl.float32)  # [BK]
+        k = tl.load(k_ptr + t * stride_k_tok + key_head * stride_k_head + dims_k, mask=mask_k,
+                    other=0.0).to(tl.float32)  # [BK]
+        v = tl.load(v_ptr + t * stride_v_tok + head * stride_v_head + dims_v, mask=mask_v,
+                    other=0.0).to(tl.float32)  # [BV]
+        decay = tl.exp(tl.load(g_ptr + t * stride_g_tok + head * stride_g_head).to(tl.float32))
+        beta = tl.load(beta_ptr + t * stride_beta_tok + head * stride_beta_head).to(tl.float32)
+        q = q * (tl.rsqrt(tl.sum(q * q, 0) + eps) * scale)
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
+
+        h = h * decay
+        delta = beta * (v - tl.sum(h * k[:, None], 0))  # [BV]
+        h = h + k[:, None] * delta[None, :]
+        o = tl.sum(h * q[:, None], 0)  # [BV]
+        tl.store(out_ptr + t * stride_out_tok + head * stride_out_head + dims_v,
+                 o.to(out_ptr.dtype.element_ty), mask=mask_v)
+    tl.store(state, h.to(state_ptr.dtype.element_ty), mask=mask_s)
+
+
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    """The kernel reads q, k, v rows with stride 1 (a copy only for an unusual layout)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _block_v(num_seqs: int, num_heads: int, dv: int) -> int:
+    """32 value dims per program, 16 where that leaves too few programs to fill the GPU."""
+    block = 32 if num_seqs * num_heads * triton.cdiv(dv, 32) >= MIN_PROGRAMS else 16
+    return min(block, triton.next_power_of_2(dv))
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor,
+                     has_state: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """``q, k [T, Hk, dk]`` raw, ``v [T, Hv, dv]``, ``g, beta [T, Hv]``; ``ssm_state
+    [S + 1, Hv, dk, dv]`` updated in place at ``slots [B]``. Without ``cu_seqlens`` (decode)
+    ``T == B`` and token ``i`` belongs to sequence ``i``; with it, sequence ``i`` owns tokens
+    ``cu_seqlens[i]:cu_seqlens[i + 1]``. Returns ``o [T, Hv, dv]`` in ``v.dtype``."""
+    q, k, v = (_unit_last_stride(x) for x in (q, k, v))
+    tokens, num_v_heads, dv = v.shape
+    dk = q.shape[-1]
+    num_seqs = slots.shape[0]
+    out = v.new_empty(tokens, num_v_heads, dv)
+    block_v = _block_v(num_seqs, num_v_heads, dv)
+    grid = (triton.cdiv(dv, block_v), num_v_heads, num_seqs)
+    _gated_delta_rule_kernel[grid](
+        q, k, v, g, beta, out, ssm_state,
+        cu_seqlens, slots, has_state,
+        dk ** -0.5, L2NORM_EPS,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        out.stride(0), out.stride(1),
+        ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
+        GROUP=num_v_heads // q.shape[1], DK=dk, DV=dv,
+        BK=triton.next_power_of_2(dk), BV=block_v, VARLEN=cu_seqlens is not None,
+        num_warps=4 if block_v >= 32 else 2)
+    return out

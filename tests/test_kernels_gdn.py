@@ -1,0 +1,455 @@
+"""The qllm-kernels-gdn plugin against the plain-torch reference ops (``qllm.ops.gdn``).
+
+- CUDA (skipped without a GPU): bf16 activations with fp32 and bf16 states; causal conv1d
+  prefill/update and gated delta rule prefill (Triton recurrent, and fla's chunked kernels
+  where fla-core is installed) over varlen batches with lengths 1..1000 (over 64, not multiples
+  of 64), with and without initial state; decode at batch 1..256 with slots out of order and
+  padding rows in the padding slot, three chained steps; CUDA-graph replay; reduce-overhead
+  ``torch.compile``; ``opcheck``.
+- CPU: the custom ops' fake path under ``torch.compile(fullgraph=True)``, the plugin's
+  registrations, and parity of the plugin's own Triton kernels at tiny shapes under the Triton
+  interpreter (fla's autotuned kernels need a GPU driver, so they run on CUDA only). The
+  interpreter must be switched on before Triton is imported, so ``test_triton_interpreter``
+  reruns this file's ``interpreted`` tests in a subprocess with ``TRITON_INTERPRET=1``.
+
+Every check compares all slots of the state: the batch's slots against the reference, every
+other slot (stale data) bit for bit, except the padding slot, whose content is unspecified.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("qllm_kernels_gdn")
+
+# after the skip above, so the suite runs where the plugin is not installed
+from qllm.ops import gdn as reference  # noqa: E402
+from qllm.plugins import PluginRegistry  # noqa: E402
+from qllm.runner.batch import ForwardBatch  # noqa: E402
+from qllm_kernels_gdn import ops, plugin  # noqa: E402
+from qllm_kernels_gdn.testing import (QWEN3_5_35B_A3B, GDNGeometry, conv_inputs,  # noqa: E402
+                                      gdn_inputs, random_batch)
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Before 3.7 the interpreter calls int() on 1-element arrays, which NumPy >= 2.4 refuses.
+INTERPRETER_WORKS = HAS_TRITON and tuple(
+    int(part) for part in importlib.metadata.version("triton").split(".")[:2]) >= (3, 7)
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+interpreted = pytest.mark.skipif(not INTERPRETING,
+                                 reason="runs inside test_triton_interpreter's subprocess")
+
+GDN_PREFILL = {"triton": ops.gdn_prefill, "fla": ops.fla_gdn_prefill}
+# Largest error allowed, relative to the reference's largest magnitude, by the coarser of the
+# activation and state dtypes (the Triton kernels compute in fp32 throughout). fla normalises
+# q/k in the activation dtype and solves in tf32.
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
+FLA_TOLERANCE = 2e-2
+STATE_DTYPES = {"state_fp32": torch.float32, "state_bf16": torch.bfloat16}
+
+GPU_GEOMETRIES = {
+    "qwen3.5-35b": QWEN3_5_35B_A3B,           # 16 key / 32 value heads x 128, conv 4
+    "mha-d64": GDNGeometry(4, 4, 64, 64),
+    "gqa4-dv96-k3": GDNGeometry(2, 8, 128, 96, conv_kernel=3),  # dv not a power of two
+}
+GPU_PREFILL = {
+    "len1": [1],
+    "len64": [64],
+    "len1000": [1000],
+    "ragged5": [65, 3, 200, 1, 129],
+    "long-mix": [1000, 17, 127, 64, 300],
+}
+GPU_DECODE = {"b1": (1, 0), "b3-pad1": (3, 1), "b64": (64, 0), "b200-pad8": (200, 8),
+              "b256": (256, 0)}  # batch -> (sequences, padding rows)
+GPU_SLOTS = 256
+
+TINY_GEOMETRIES = {
+    "gqa2-dk16-dv8": GDNGeometry(2, 4, 16, 8),
+    "mha-dk16-dv12-k3": GDNGeometry(2, 2, 16, 12, conv_kernel=3),
+}
+TINY_PREFILL = {"len1": [1], "ragged4": [5, 70, 1, 33]}
+TINY_DECODE = {"b1": (1, 0), "b5-pad2": (5, 2)}
+TINY_SLOTS = 8
+
+
+def _flags(count: int, has_state: str) -> list[bool]:
+    """``fresh``: no sequence has state yet; ``mixed``: two in three have."""
+    return [has_state == "mixed" and i % 3 != 1 for i in range(count)]
+
+
+def _tolerance(impl: str, dtype: torch.dtype, state_dtype: torch.dtype) -> float:
+    return FLA_TOLERANCE if impl == "fla" else max(TOLERANCE[dtype], TOLERANCE[state_dtype])
+
+
+def _conv_state_tolerance(state_dtype: torch.dtype) -> float:
+    """Conv states are copied inputs: exact, except that the interpreter rounds fp32 -> bf16
+    toward zero where GPUs (and torch) round to nearest even, one bf16 ulp apart."""
+    return 2 ** -7 if INTERPRETING and state_dtype == torch.bfloat16 else 0.0
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    atol = tol * max(expected.abs().max().item(), 1.0)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=tol)
+
+
+def _assert_states(actual: torch.Tensor, expected: torch.Tensor, before: torch.Tensor,
+                   batch: ForwardBatch, tol: float) -> None:
+    """Batch slots close to the reference's, other slots untouched; padding slot skipped."""
+    padding = actual.shape[0] - 1
+    used = sorted(set(batch.recurrent_slots.tolist()) - {padding})
+    unused = sorted(set(range(padding)) - set(used))
+    _assert_close(actual[used], expected[used], tol)
+    assert torch.equal(actual[unused], before[unused])
+
+
+# ----------------------------------------------------------------------------- checks
+
+def check_conv_prefill(geometry: GDNGeometry, query_lens: list[int], has_state: str,
+                       dtype: torch.dtype, state_dtype: torch.dtype, num_slots: int,
+                       device: str) -> None:
+    batch = random_batch(query_lens, num_slots, _flags(len(query_lens), has_state),
+                         device=device, seed=len(query_lens))
+    x = conv_inputs(batch, geometry, num_slots, dtype, state_dtype)
+    before = x.conv_state.clone()
+    ref_state = x.conv_state.clone()
+    ref = reference.causal_conv1d_prefill(x.x, x.weight, ref_state, batch)
+    out = ops.causal_conv1d_prefill(x.x, x.weight, x.conv_state, batch)
+    _assert_close(out, ref, _tolerance("triton", dtype, state_dtype))
+    _assert_states(x.conv_state, ref_state, before, batch, _conv_state_tolerance(state_dtype))
+
+
+def check_conv_update(geometry: GDNGeometry, num_seqs: int, num_padding: int,
+                      dtype: torch.dtype, state_dtype: torch.dtype, num_slots: int,
+                      device: str) -> None:
+    """Three chained steps, the first with some sequences starting fresh."""
+    state = ref_state = before = None
+    for step in range(3):
+        batch = random_batch([1] * num_seqs, num_slots,
+                             _flags(num_seqs, "mixed") if step == 0 else True, num_padding,
+                             device=device, seed=num_seqs)
+        x = conv_inputs(batch, geometry, num_slots, dtype, state_dtype, seed=step)
+        if state is None:
+            state, ref_state, before = x.conv_state, x.conv_state.clone(), x.conv_state.clone()
+        ref = reference.causal_conv1d_update(x.x, x.weight, ref_state, batch)
+        out = ops.causal_conv1d_update(x.x, x.weight, state, batch)
+        _assert_close(out[:num_seqs], ref[:num_seqs], _tolerance("triton", dtype, state_dtype))
+        _assert_states(state, ref_state, before, batch, _conv_state_tolerance(state_dtype))
+
+
+def check_gdn_prefill(impl: str, geometry: GDNGeometry, query_lens: list[int], has_state: str,
+                      dtype: torch.dtype, state_dtype: torch.dtype, num_slots: int,
+                      device: str) -> None:
+    batch = random_batch(query_lens, num_slots, _flags(len(query_lens), has_state),
+                         device=device, seed=len(query_lens))
+    x = gdn_inputs(batch, geometry, num_slots, dtype, state_dtype)
+    before = x.ssm_state.clone()
+    ref_state = x.ssm_state.clone()
+    ref = reference.gdn_prefill(*dataclasses.replace(x, ssm_state=ref_state).args())
+    out = GDN_PREFILL[impl](*x.args())
+    tol = _tolerance(impl, dtype, state_dtype)
+    _assert_close(out, ref, tol)
+    _assert_states(x.ssm_state, ref_state, before, batch, tol)
+
+
+def check_gdn_decode(geometry: GDNGeometry, num_seqs: int, num_padding: int,
+                     dtype: torch.dtype, state_dtype: torch.dtype, num_slots: int,
+                     device: str) -> None:
+    """Three chained steps, the first with some sequences starting fresh."""
+    tol = _tolerance("triton", dtype, state_dtype)
+    state = ref_state = before = None
+    for step in range(3):
+        batch = random_batch([1] * num_seqs, num_slots,
+                             _flags(num_seqs, "mixed") if step == 0 else True, num_padding,
+                             device=device, seed=num_seqs)
+        x = gdn_inputs(batch, geometry, num_slots, dtype, state_dtype, seed=step)
+        if state is None:
+            state, ref_state, before = x.ssm_state, x.ssm_state.clone(), x.ssm_state.clone()
+        ref = reference.gdn_decode(*dataclasses.replace(x, ssm_state=ref_state).args())
+        out = ops.gdn_decode(*dataclasses.replace(x, ssm_state=state).args())
+        _assert_close(out[:num_seqs], ref[:num_seqs], tol)
+        _assert_states(state, ref_state, before, batch, tol)
+
+
+def opcheck_ops(device: str, dtype: torch.dtype, with_fla: bool) -> None:
+    """``torch.library.opcheck`` on the custom ops (schema incl. mutation, fake tensor, AOT
+    dispatch)."""
+    geometry = TINY_GEOMETRIES["gqa2-dk16-dv8"]
+    prefill = random_batch([5, 70, 1], TINY_SLOTS, [True, False, True], device=device)
+    decode = random_batch([1] * 3, TINY_SLOTS, [True, False, True], 1, device=device)
+    for batch, conv, conv_args in (
+            (prefill, ops.conv1d_prefill, lambda b: (b.query_start_loc, b.recurrent_slots,
+                                                     b.has_initial_state, b.max_query_len)),
+            (decode, ops.conv1d_update, lambda b: (b.recurrent_slots, b.has_initial_state))):
+        x = conv_inputs(batch, geometry, TINY_SLOTS, dtype, torch.float32)
+        torch.library.opcheck(conv, (x.x, x.weight, x.conv_state, *conv_args(batch)))
+    gdn_ops = [ops.recurrent_prefill] + ([ops.fla_chunk_prefill] if with_fla else [])
+    for op in gdn_ops:
+        x = gdn_inputs(prefill, geometry, TINY_SLOTS, dtype, torch.float32)
+        b = x.batch
+        torch.library.opcheck(op, (*x.args()[:6], b.query_start_loc, b.recurrent_slots,
+                                   b.has_initial_state))
+    x = gdn_inputs(decode, geometry, TINY_SLOTS, dtype, torch.float32)
+    torch.library.opcheck(ops.recurrent_decode, (*x.args()[:6], decode.recurrent_slots,
+                                                 decode.has_initial_state))
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+@cuda
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
+@pytest.mark.parametrize("has_state", ["fresh", "mixed"])
+@pytest.mark.parametrize("lens", GPU_PREFILL.values(), ids=GPU_PREFILL.keys())
+@pytest.mark.parametrize("geometry", [GPU_GEOMETRIES["qwen3.5-35b"],
+                                      GPU_GEOMETRIES["gqa4-dv96-k3"]], ids=["qwen3.5-35b",
+                                                                            "gqa4-dv96-k3"])
+def test_conv_prefill_parity(geometry, lens, has_state, state_dtype):
+    check_conv_prefill(geometry, lens, has_state, torch.bfloat16, state_dtype, GPU_SLOTS, "cuda")
+
+
+@cuda
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
+@pytest.mark.parametrize("batch", GPU_DECODE.values(), ids=GPU_DECODE.keys())
+@pytest.mark.parametrize("geometry", [GPU_GEOMETRIES["qwen3.5-35b"],
+                                      GPU_GEOMETRIES["gqa4-dv96-k3"]], ids=["qwen3.5-35b",
+                                                                            "gqa4-dv96-k3"])
+def test_conv_update_parity(geometry, batch, state_dtype):
+    check_conv_update(geometry, *batch, torch.bfloat16, state_dtype, GPU_SLOTS, "cuda")
+
+
+@cuda
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
+@pytest.mark.parametrize("has_state", ["fresh", "mixed"])
+@pytest.mark.parametrize("lens", GPU_PREFILL.values(), ids=GPU_PREFILL.keys())
+@pytest.mark.parametrize("geometry", GPU_GEOMETRIES.values(), ids=GPU_GEOMETRIES.keys())
+@pytest.mark.parametrize("impl", GDN_PREFILL)
+def test_gdn_prefill_parity(impl, geometry, lens, has_state, state_dtype):
+    if impl == "fla" and not plugin.HAS_FLA:
+        pytest.skip("fla-core is not installed")
+    check_gdn_prefill(impl, geometry, lens, has_state, torch.bfloat16, state_dtype, GPU_SLOTS,
+                      "cuda")
+
+
+@cuda
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
+@pytest.mark.parametrize("batch", GPU_DECODE.values(), ids=GPU_DECODE.keys())
+@pytest.mark.parametrize("geometry", GPU_GEOMETRIES.values(), ids=GPU_GEOMETRIES.keys())
+def test_gdn_decode_parity(geometry, batch, state_dtype):
+    check_gdn_decode(geometry, *batch, torch.bfloat16, state_dtype, GPU_SLOTS, "cuda")
+
+
+def _decode_step(qkv: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                 g: torch.Tensor, beta: torch.Tensor, ssm_state: torch.Tensor,
+                 batch: ForwardBatch, kernels=ops) -> torch.Tensor:
+    """The GDN layer's decode path from the conv input to the recurrence output
+    (``qllm_qwen3_5.deltanet``), through ``kernels`` (``ops`` or the reference)."""
+    hv, dk, dv = ssm_state.shape[1:]
+    hk = (qkv.shape[1] - hv * dv) // (2 * dk)
+    x = kernels.causal_conv1d_update(qkv, weight, conv_state, batch)  # [B, C]
+    q, k, v = x.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    return kernels.gdn_decode(q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)),
+                              v.unflatten(-1, (hv, dv)), g, beta, ssm_state, batch)
+
+
+def _decode_step_inputs(geometry: GDNGeometry, num_seqs: int, num_padding: int,
+                        dtype: torch.dtype, num_slots: int, device: str) -> list:
+    batch = random_batch([1] * num_seqs, num_slots, _flags(num_seqs, "mixed"), num_padding,
+                         device=device, seed=num_seqs)
+    conv = conv_inputs(batch, geometry, num_slots, dtype, dtype)
+    gdn = gdn_inputs(batch, geometry, num_slots, dtype, torch.float32)
+    return [conv.x, conv.weight, conv.conv_state, gdn.g, gdn.beta, gdn.ssm_state, batch]
+
+
+def check_compiled_decode_step(args: list, **compile_options) -> None:
+    """The compiled decode path (conv update, split, recurrence) gives the eager kernels' output
+    and states bit for bit, over warm-up, recording and replay calls."""
+    conv_state, ssm_state = args[2], args[5]
+    for state in (conv_state, ssm_state):  # as the engine's cache pools: graphs update in place
+        torch._dynamo.mark_static_address(state)
+    conv0, ssm0 = conv_state.clone(), ssm_state.clone()
+    eager = _decode_step(*args)
+    conv_eager, ssm_eager = conv_state.clone(), ssm_state.clone()
+    compiled = torch.compile(_decode_step, fullgraph=True, **compile_options)
+    for _ in range(3):
+        conv_state.copy_(conv0)
+        ssm_state.copy_(ssm0)
+        out = compiled(*args)
+    torch.testing.assert_close(out, eager, atol=0, rtol=0)
+    torch.testing.assert_close(conv_state, conv_eager, atol=0, rtol=0)
+    torch.testing.assert_close(ssm_state, ssm_eager, atol=0, rtol=0)
+
+
+@cuda
+def test_decode_cuda_graph_replay():
+    """Conv update + recurrence captured once, replayed after inputs, slots and state flags
+    change in place."""
+    args = _decode_step_inputs(QWEN3_5_35B_A3B, 64, 8, torch.bfloat16, GPU_SLOTS, "cuda")
+    x, _, conv_state, g, beta, ssm_state, batch = args
+    _decode_step(*args)  # compile the kernels before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _decode_step(*args)
+    for seed in range(2):
+        moved = random_batch([1] * 64, GPU_SLOTS, _flags(64, "mixed")[::-1], 8, device="cuda",
+                             seed=100 + seed)
+        batch.recurrent_slots.copy_(moved.recurrent_slots)
+        batch.has_initial_state.copy_(moved.has_initial_state)
+        x.normal_()
+        g.uniform_(-1.0, 0.0)  # log decays
+        beta.uniform_(0.0, 1.0)
+        conv_before, ssm_before = conv_state.clone(), ssm_state.clone()
+        ref_conv, ref_ssm = conv_state.clone(), ssm_state.clone()
+        ref = _decode_step(x, args[1], ref_conv, g, beta, ref_ssm, batch, reference)
+        graph.replay()
+        tol = TOLERANCE[torch.bfloat16]
+        _assert_close(out[:64], ref[:64], tol)
+        _assert_states(ssm_state, ref_ssm, ssm_before, batch, tol)
+        _assert_states(conv_state, ref_conv, conv_before, batch, 0.0)
+
+
+@cuda
+def test_compiled_decode_matches_eager():
+    """``torch.compile(fullgraph=True, mode="reduce-overhead")``: CUDA graphs of the step."""
+    check_compiled_decode_step(
+        _decode_step_inputs(QWEN3_5_35B_A3B, 16, 0, torch.bfloat16, GPU_SLOTS, "cuda"),
+        mode="reduce-overhead")
+
+
+@cuda
+def test_opcheck_cuda():
+    opcheck_ops("cuda", torch.bfloat16, with_fla=plugin.HAS_FLA)
+
+
+# ----------------------------------------------------------------------------- CPU
+
+def _to_meta(value):
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    if isinstance(value, ForwardBatch):
+        return dataclasses.replace(value, **{f.name: _to_meta(getattr(value, f.name))
+                                             for f in dataclasses.fields(value)})
+    return value
+
+
+FAKE_CASES = {  # registered function, its custom op, whether it is a decode step
+    "causal_conv1d_prefill": (ops.causal_conv1d_prefill, "conv1d_prefill", False),
+    "causal_conv1d_update": (ops.causal_conv1d_update, "conv1d_update", True),
+    "gdn_prefill": (ops.gdn_prefill, "recurrent_prefill", False),
+    "fla_gdn_prefill": (ops.fla_gdn_prefill, "fla_chunk_prefill", False),
+    "gdn_decode": (ops.gdn_decode, "recurrent_decode", True),
+}
+
+
+@pytest.mark.parametrize("case", FAKE_CASES.values(), ids=FAKE_CASES.keys())
+def test_compile_fullgraph_on_fake_path(case):
+    """Dynamo and AOT autograd trace the registered functions into one graph holding the
+    custom op, and the fake implementation gives the output (meta tensors: no kernel runs)."""
+    fn, op_name, decode = case
+    geometry = TINY_GEOMETRIES["gqa2-dk16-dv8"]
+    batch = random_batch([1] * 3 if decode else [5, 70, 1], TINY_SLOTS, True)
+    if op_name.startswith("conv"):
+        x = conv_inputs(batch, geometry, TINY_SLOTS, torch.bfloat16, torch.bfloat16)
+        args = [x.x, x.weight, x.conv_state, batch]
+    else:
+        args = list(gdn_inputs(batch, geometry, TINY_SLOTS, torch.bfloat16,
+                               torch.float32).args())
+    args = [_to_meta(arg) for arg in args]
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for compile_backend in (backend, "aot_eager"):
+        torch._dynamo.reset()
+        out = torch.compile(fn, fullgraph=True, backend=compile_backend)(*args)
+        expected = args[0] if op_name.startswith("conv") else args[2]  # x, or v
+        assert out.device.type == "meta" and out.shape == expected.shape
+        assert out.dtype == expected.dtype
+    (graph,) = graphs
+    targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+    assert targets == [getattr(torch.ops.qllm_gdn, op_name).default]
+
+
+def test_plugin_registrations(monkeypatch):
+    registry = PluginRegistry(extra_plugins=[plugin], load_entry_points=False)
+    ops_here = ("causal_conv1d_prefill", "causal_conv1d_update", "gdn_decode", "gdn_prefill")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        names = registry.kernels(torch.device("cuda"), dtype).names()
+        expected = "triton" if HAS_TRITON else "torch"
+        assert {op: names[op] for op in ops_here[:3]} == dict.fromkeys(ops_here[:3], expected)
+        assert names["gdn_prefill"] == ("fla" if plugin.HAS_FLA and HAS_TRITON else expected)
+    names = registry.kernels(torch.device("cpu"), torch.bfloat16).names()
+    assert {names[op] for op in ops_here} == {"torch"}
+    monkeypatch.setattr(plugin, "HAS_FLA", False)
+    names = registry.kernels(torch.device("cuda"), torch.bfloat16).names()
+    assert names["gdn_prefill"] == ("triton" if HAS_TRITON else "torch")
+
+
+@pytest.mark.skipif(not INTERPRETER_WORKS, reason="needs triton >= 3.7 for the interpreter")
+@pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run")
+def test_triton_interpreter():
+    """Runs the ``interpreted`` tests below on the CPU, in a subprocess with the interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-k", "interpreted",
+         "-p", "no:cacheprovider"],
+        check=False, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+@interpreted
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
+@pytest.mark.parametrize("lens", TINY_PREFILL.values(), ids=TINY_PREFILL.keys())
+@pytest.mark.parametrize("geometry", TINY_GEOMETRIES.values(), ids=TINY_GEOMETRIES.keys())
+def test_interpreted_conv_prefill(geometry, lens, state_dtype):
+    check_conv_prefill(geometry, lens, "mixed", torch.float32, state_dtype, TINY_SLOTS, "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
+@pytest.mark.parametrize("batch", TINY_DECODE.values(), ids=TINY_DECODE.keys())
+@pytest.mark.parametrize("geometry", TINY_GEOMETRIES.values(), ids=TINY_GEOMETRIES.keys())
+def test_interpreted_conv_update(geometry, batch, state_dtype):
+    check_conv_update(geometry, *batch, torch.float32, state_dtype, TINY_SLOTS, "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
+@pytest.mark.parametrize("has_state", ["fresh", "mixed"])
+@pytest.mark.parametrize("lens", TINY_PREFILL.values(), ids=TINY_PREFILL.keys())
+@pytest.mark.parametrize("geometry", TINY_GEOMETRIES.values(), ids=TINY_GEOMETRIES.keys())
+def test_interpreted_gdn_prefill(geometry, lens, has_state, state_dtype):
+    check_gdn_prefill("triton", geometry, lens, has_state, torch.float32, state_dtype,
+                      TINY_SLOTS, "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
+@pytest.mark.parametrize("batch", TINY_DECODE.values(), ids=TINY_DECODE.keys())
+@pytest.mark.parametrize("geometry", TINY_GEOMETRIES.values(), ids=TINY_GEOMETRIES.keys())
+def test_interpreted_gdn_decode(geometry, batch, state_dtype):
+    check_gdn_decode(geometry, *batch, torch.float32, state_dtype, TINY_SLOTS, "cpu")
+
+
+@interpreted
+def test_interpreted_opcheck():
+    opcheck_ops("cpu", torch.float32, with_fla=False)
+
+
+@interpreted
+def test_interpreted_compiled_decode_step():
+    """Inductor on the CPU: functionalised custom ops that update the states in place."""
+    check_compiled_decode_step(_decode_step_inputs(TINY_GEOMETRIES["gqa2-dk16-dv8"], 3, 1,
+                                                   torch.float32, TINY_SLOTS, "cpu"))
