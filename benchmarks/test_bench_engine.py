@@ -14,7 +14,6 @@ import torch
 
 from qllm.cache.block_manager import BlockManager
 from qllm.config import SamplingParams
-from qllm.engine.scheduler import ScheduledBatch
 from qllm.engine.sequence import Sequence
 
 BATCH = 256

@@ -12,30 +12,19 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
-import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from qllm.ops import attention
+from kernel_testing import (HAS_TRITON, cuda, interpreted, interpreter_driver,
+                            run_interpreted_tests)
 from qllm.plugins import PluginRegistry
 from qllm_kernels_attention import ops, plugin
 from qllm_kernels_attention.testing import PagedInputs, paged_inputs
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-# Before 3.7 the interpreter calls int() on 1-element arrays, which NumPy >= 2.4 refuses.
-INTERPRETER_WORKS = HAS_TRITON and tuple(
-    int(part) for part in importlib.metadata.version("triton").split(".")[:2]) >= (3, 7)
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 TOLERANCE = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-interpreted = pytest.mark.skipif(not INTERPRETING,
-                                 reason="runs inside test_triton_interpreter's subprocess")
 
 
 def _decode_case(q_heads, kv_heads, head_dim, page, seq_lens):
@@ -222,17 +211,10 @@ def test_plugin_registrations():
         assert set(names.values()) == {"torch"}
 
 
-@pytest.mark.skipif(not INTERPRETER_WORKS, reason="needs triton >= 3.7 for the interpreter")
-@pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run")
+@interpreter_driver
 def test_triton_interpreter():
     """Runs the ``interpreted`` tests below on the CPU, in a subprocess with the interpreter."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-k", "interpreted",
-         "-p", "no:cacheprovider", "-W", "ignore:divide by zero:RuntimeWarning"],
-        env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    run_interpreted_tests(__file__, "-W", "ignore:divide by zero:RuntimeWarning")
 
 
 # The interpreter's tl.dot reads bf16 as raw integers, so these use fp16 and fp32.

@@ -19,11 +19,6 @@ other slot (stale data) bit for bit, except the padding slot, whose content is u
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
-import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -32,21 +27,15 @@ pytest.importorskip("qllm_kernels_gdn")
 
 # after the skip above, so the suite runs where the plugin is not installed
 from qllm.ops import gdn as reference  # noqa: E402
+from kernel_testing import (HAS_TRITON, INTERPRETING, cuda, interpreted, interpreter_driver,
+                            run_interpreted_tests)
 from qllm.plugins import PluginRegistry  # noqa: E402
 from qllm.runner.batch import ForwardBatch  # noqa: E402
 from qllm_kernels_gdn import ops, plugin  # noqa: E402
 from qllm_kernels_gdn.testing import (QWEN3_5_35B_A3B, GDNGeometry, conv_inputs,  # noqa: E402
                                       gdn_inputs, random_batch)
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-# Before 3.7 the interpreter calls int() on 1-element arrays, which NumPy >= 2.4 refuses.
-INTERPRETER_WORKS = HAS_TRITON and tuple(
-    int(part) for part in importlib.metadata.version("triton").split(".")[:2]) >= (3, 7)
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-interpreted = pytest.mark.skipif(not INTERPRETING,
-                                 reason="runs inside test_triton_interpreter's subprocess")
 
 GDN_PREFILL = {"triton": ops.gdn_prefill, "fla": ops.fla_gdn_prefill}
 # Largest error allowed, relative to the reference's largest magnitude, by the coarser of the
@@ -396,17 +385,10 @@ def test_plugin_registrations(monkeypatch):
     assert names["gdn_prefill"] == ("triton" if HAS_TRITON else "torch")
 
 
-@pytest.mark.skipif(not INTERPRETER_WORKS, reason="needs triton >= 3.7 for the interpreter")
-@pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run")
+@interpreter_driver
 def test_triton_interpreter():
     """Runs the ``interpreted`` tests below on the CPU, in a subprocess with the interpreter."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-k", "interpreted",
-         "-p", "no:cacheprovider"],
-        check=False, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    run_interpreted_tests(__file__)
 
 
 @interpreted

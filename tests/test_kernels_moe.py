@@ -12,12 +12,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -25,6 +19,8 @@ pytest.importorskip("qllm_kernels_moe")
 reference = pytest.importorskip("qllm_qwen3_5.moe")
 
 # after the skips above, so the suite runs where the plugin is not installed
+from kernel_testing import (HAS_TRITON, cuda, interpreted, interpreter_driver,
+                            run_interpreted_tests)
 from qllm.plugins import PluginRegistry  # noqa: E402
 from qllm_kernels_moe import ops, plugin  # noqa: E402
 from qllm_kernels_moe.align import max_padded_slots, moe_align  # noqa: E402
@@ -32,16 +28,8 @@ from qllm_kernels_moe.configs import (GemmConfig, MoeConfig, default_config,  # 
                                       get_config, load_table)
 from qllm_kernels_moe.testing import MoeInputs, moe_inputs  # noqa: E402
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-# Before 3.7 the interpreter calls int() on 1-element arrays, which NumPy >= 2.4 refuses.
-INTERPRETER_WORKS = HAS_TRITON and tuple(
-    int(part) for part in importlib.metadata.version("triton").split(".")[:2]) >= (3, 7)
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-interpreted = pytest.mark.skipif(not INTERPRETING,
-                                 reason="runs inside test_triton_interpreter's subprocess")
 
 # name -> (experts, top_k, hidden, expert intermediate)
 GPU_SHAPES = {
@@ -275,17 +263,10 @@ def test_plugin_registration():
         assert registry.kernels(torch.device(device), dtype).names()["fused_moe"] == "torch"
 
 
-@pytest.mark.skipif(not INTERPRETER_WORKS, reason="needs triton >= 3.7 for the interpreter")
-@pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run")
+@interpreter_driver
 def test_triton_interpreter():
     """Runs the ``interpreted`` tests below on the CPU, in a subprocess with the interpreter."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-k", "interpreted",
-         "-p", "no:cacheprovider"],
-        env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    run_interpreted_tests(__file__)
 
 
 # The interpreter's tl.dot reads bf16 as raw integers, so these use fp16 and fp32.

@@ -6,12 +6,10 @@ import logging
 import time
 
 import torch
-from tqdm.auto import tqdm
 
 from qllm.cache.registry import CacheRegistry
 from qllm.config import EngineConfig
 from qllm.engine.scheduler import ScheduledBatch
-from qllm.engine.sequence import Sequence
 from qllm.layers.sampler import SamplingTensors, sample
 from qllm.model_api import CausalLM
 from qllm.runner.batch import ForwardBatch
