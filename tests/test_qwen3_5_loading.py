@@ -9,10 +9,8 @@ import types
 import pytest
 import torch
 
-from helpers import assert_cache_free, random_prompts
+from helpers import assert_cache_free, prefill_logits, random_prompts
 from qllm import LLM, SamplingParams
-from qllm.engine.scheduler import ScheduledBatch
-from qllm.engine.sequence import Sequence
 from qllm.loader import CheckpointError
 
 qwen3_5_testing = pytest.importorskip("qllm_qwen3_5.testing")
@@ -25,21 +23,6 @@ PROMPT = random_prompts([100], seed=5)[0]
 def one_thread():
     with qwen3_5_testing.torch_threads(1):
         yield
-
-
-def last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    """qllm's next-token logits ``[V]`` after ``prompt`` (one prefill step)."""
-    engine = llm.engine
-    seq = Sequence(prompt, SamplingParams(temperature=0))
-    assert engine.cache.admit(seq) and engine.cache.reserve(seq, len(prompt))
-    try:
-        input_ids, positions, batch = engine.runner.prepare(
-            ScheduledBatch([seq], [len(prompt)], is_prefill=True))
-        with torch.inference_mode():
-            hidden = engine.model(input_ids, positions, batch)
-            return engine.model.compute_logits(hidden[batch.logits_indices])[0]
-    finally:
-        engine.cache.release(seq)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +65,7 @@ def test_layouts_load_and_match_transformers(checkpoints, tmp_path, caplog, kind
     caplog.set_level(logging.INFO, logger="qllm.loader")
     llm = LLM(path, **ENGINE)
     expected = qwen3_5_testing.hf_logits(checkpoints[kind][1], PROMPT)[-1]
-    torch.testing.assert_close(last_logits(llm, PROMPT), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(prefill_logits(llm, PROMPT)[-1], expected, atol=1e-4, rtol=0)
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert len(skipped) == 1, skipped  # mtp.* and model.visual.*: one line, not one per tensor
     assert_cache_free(llm)
