@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import assert_cache_free, prefill_logits, random_prompts
-from qllm import LLM, SamplingParams
+from qllm import LLM
 from qllm.loader import CheckpointError
 
 qwen3_5_testing = pytest.importorskip("qllm_qwen3_5.testing")
