@@ -112,3 +112,13 @@ def test_preemption_mid_decode(alone):
     assert llm.engine.scheduler.num_preemptions > 0, "the KV budget should force preemption"
     assert [out["token_ids"] for out in outputs] == expected
     assert_cache_free(llm)
+
+
+def test_compiled_decode_equals_eager(alone):
+    """Regional torch.compile of the hybrid layers (GDN, gated attention, MoE) with slots
+    reused by more prompts than slots: the same tokens as the eager engine."""
+    path, prompts, params, expected = alone
+    llm = LLM(path, **ENGINE, max_num_seqs=3, compile_on_cpu=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [out["token_ids"] for out in outputs] == expected
+    assert_cache_free(llm)

@@ -17,6 +17,8 @@ from qllm.runner.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
+RECOMPILE_LIMIT = 64
+
 
 class ModelRunner:
     """Owns the model and turns scheduled batches into sampled tokens.
@@ -152,6 +154,10 @@ class ModelRunner:
         Qwen3-0.6B geometry on the H200 (2026-11-29); here the compiler sees one layer.
         """
         start = time.perf_counter()
+        # Layer variants (attention kind, first layer, dense or MoE MLP, batch 1) each add a
+        # guarded entry to the one shared code object; dynamo's default limit of 8 is too few.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                   RECOMPILE_LIMIT)
         for layer in self.model.decoder_layers():
             layer.compile(dynamic=True, fullgraph=True)
         if self.device.type == "cuda":
