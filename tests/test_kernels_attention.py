@@ -16,15 +16,17 @@ import dataclasses
 import pytest
 import torch
 
-from qllm.ops import attention
-from kernel_testing import (HAS_TRITON, cuda, interpreted, interpreter_driver,
+pytest.importorskip("qllm_kernels_attention")
+
+# after the skip above, so the suite runs where the plugin is not installed
+from kernel_testing import (HAS_TRITON, cuda, interpreted, interpreter_driver,  # noqa: E402
                             run_interpreted_tests)
-from qllm.plugins import PluginRegistry
-from qllm_kernels_attention import ops, plugin
-from qllm_kernels_attention.testing import PagedInputs, paged_inputs
+from qllm.ops import attention  # noqa: E402
+from qllm.plugins import PluginRegistry  # noqa: E402
+from qllm_kernels_attention import ops, plugin  # noqa: E402
+from qllm_kernels_attention.testing import PagedInputs, paged_inputs  # noqa: E402
 
 TOLERANCE = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
-
 
 
 def _decode_case(q_heads, kv_heads, head_dim, page, seq_lens):

@@ -27,7 +27,8 @@ pytest.importorskip("qllm_kernels_gdn")
 
 # after the skip above, so the suite runs where the plugin is not installed
 from qllm.ops import gdn as reference  # noqa: E402
-from kernel_testing import (HAS_TRITON, INTERPRETING, cuda, interpreted, interpreter_driver,
+from kernel_testing import (HAS_TRITON, INTERPRETING, cuda, interpreted,  # noqa: E402
+                            interpreter_driver,
                             run_interpreted_tests)
 from qllm.plugins import PluginRegistry  # noqa: E402
 from qllm.runner.batch import ForwardBatch  # noqa: E402

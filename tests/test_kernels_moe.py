@@ -19,7 +19,7 @@ pytest.importorskip("qllm_kernels_moe")
 reference = pytest.importorskip("qllm_qwen3_5.moe")
 
 # after the skips above, so the suite runs where the plugin is not installed
-from kernel_testing import (HAS_TRITON, cuda, interpreted, interpreter_driver,
+from kernel_testing import (HAS_TRITON, cuda, interpreted, interpreter_driver,  # noqa: E402
                             run_interpreted_tests)
 from qllm.plugins import PluginRegistry  # noqa: E402
 from qllm_kernels_moe import ops, plugin  # noqa: E402
