@@ -82,7 +82,16 @@ def run_qllm(model_dir: str, prompts, params, args) -> dict:
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     tokens = sum(len(o["token_ids"]) for o in outputs)
-    return {"tokens": tokens, "seconds": seconds, "startup_seconds": round(startup, 1),
+    result = {}
+    if len(prompts) == 1:  # a latency workload: time to first token, then decode speed
+        first = [SamplingParams(temperature=t, max_tokens=1, ignore_eos=True) for _, t in params]
+        start = time.perf_counter()
+        llm.generate(prompts, first, use_tqdm=False)
+        torch.cuda.synchronize()
+        ttft = time.perf_counter() - start
+        result = {"ttft_seconds": round(ttft, 4),
+                  "decode_tok_per_s": round((tokens - 1) / (seconds - ttft), 1)}
+    return {**result, "tokens": tokens, "seconds": seconds, "startup_seconds": round(startup, 1),
             "kernels": llm.engine.kernels.names(),
             "decode_graph_sizes": llm.engine.runner.graphs.sizes if llm.engine.runner.graphs else None}
 
