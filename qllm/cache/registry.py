@@ -46,7 +46,7 @@ class CacheRegistry:
         fixed_bytes = sum(specs[n].bytes_per_unit(by_kind[n], config) * units
                           for n, units in fixed.items() if units is not None)
         sized = [n for n, units in fixed.items() if units is None]
-        budget = self._budget(config, device, model) - fixed_bytes
+        budget = self._budget(config, device) - fixed_bytes
         if budget <= 0 and sized:
             raise CacheTooSmallError(f"no memory left for {sized} after "
                                      f"{fixed_bytes / 2**30:.2f} GiB of fixed-size caches")
@@ -75,7 +75,7 @@ class CacheRegistry:
                     f"lower max_model_len or give the cache more memory")
 
     @staticmethod
-    def _budget(config: EngineConfig, device: torch.device, model: torch.nn.Module) -> int:
+    def _budget(config: EngineConfig, device: torch.device) -> int:
         if config.kv_cache_memory_bytes is not None:
             return config.kv_cache_memory_bytes
         if device.type == "cuda":
