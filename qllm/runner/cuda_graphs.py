@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 
 import torch
 from tqdm.auto import tqdm
@@ -20,30 +21,41 @@ TENSOR_FIELDS = [f.name for f in dataclasses.fields(ForwardBatch)
                  if f.type in ("torch.Tensor", torch.Tensor)]
 
 
+class CudaGraphCapture:
+    """Captures a callable as a CUDA graph (after one warm-up run outside the graph); all
+    graphs share one memory pool. Returns ``(graph, output)``; ``graph.replay()`` reruns it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def __call__(self, fn):
+        fn()  # warm-up outside the graph (compiles this shape if needed)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = fn()
+        return graph, output
+
+
 class DecodeGraphs:
-    """CUDA graphs of ``step(input_ids, positions, batch) -> logits`` for each bucket size.
+    """Graphs of ``step(input_ids, positions, batch) -> logits`` for each bucket size.
 
     ``make_inputs(size)`` returns inert padded inputs of a bucket (used for capture);
-    ``step`` must already be warmed up/compiled for the bucket shapes.
+    ``capture(fn) -> (graph, output)`` records one graph (``CudaGraphCapture`` on a GPU).
     """
 
-    def __init__(self, step, make_inputs, sizes: list[int], device: torch.device):
-        self.step = step
+    def __init__(self, step, make_inputs, sizes: list[int], capture):
         self.sizes = sorted(sizes)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, object] = {}
         self.inputs: dict[int, tuple] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        pool = torch.cuda.graph_pool_handle()
         largest = make_inputs(self.sizes[-1])
         for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing decode graphs",
                          unit="graph"):
             inputs = self._slice(largest, size)
-            self.step(*inputs)  # warm-up outside the graph (compiles this shape if needed)
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.step(*inputs)
-            self.graphs[size], self.inputs[size] = graph, inputs
+            self.graphs[size], self.outputs[size] = capture(functools.partial(step, *inputs))
+            self.inputs[size] = inputs
 
     @staticmethod
     def _slice(inputs: tuple, size: int) -> tuple:

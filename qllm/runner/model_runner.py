@@ -13,7 +13,7 @@ from qllm.engine.scheduler import ScheduledBatch
 from qllm.layers.sampler import SamplingTensors, sample
 from qllm.model_api import CausalLM
 from qllm.runner.batch import ForwardBatch
-from qllm.runner.cuda_graphs import DecodeGraphs
+from qllm.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class ModelRunner:
                     self._decode_logits,
                     lambda size: self.prepare(dummy, pad_to=size,
                                               table_width=self.max_blocks_per_seq),
-                    sizes, self.device)
+                    sizes, CudaGraphCapture(self.device))
             torch.cuda.synchronize(self.device)
         self.startup_compile_seconds = time.perf_counter() - start
         logger.info("decode compiled%s in %.1f s",
