@@ -8,6 +8,7 @@ from torch import nn
 from qllm.config import EngineConfig
 from qllm.layers.activation import silu_and_mul
 from qllm.layers.attention import PagedAttention
+from qllm.layers.decoder_stack import DecoderStack
 from qllm.layers.embedding import LMHead
 from qllm.layers.linear import PackedLinear
 from qllm.layers.norm import RMSNorm
@@ -77,22 +78,6 @@ class Qwen3DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class Qwen3Model(nn.Module):
-    def __init__(self, config, kernels: Kernels, cache_dtype: torch.dtype):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, kernels, cache_dtype)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids, positions, batch):
-        hidden, residual = self.embed_tokens(input_ids), None  # [T, H]
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, batch)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-
 class Qwen3ForCausalLM(CausalLM):
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
                       "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", "gate"),
@@ -103,7 +88,11 @@ class Qwen3ForCausalLM(CausalLM):
         if getattr(config, "use_sliding_window", False):
             raise NotImplementedError("Qwen3 sliding-window attention is not supported")
         self.config = config
-        self.model = Qwen3Model(config, kernels, engine_config.dtype)
+        self.model = DecoderStack(
+            config.vocab_size, config.hidden_size,
+            (Qwen3DecoderLayer(config, kernels, engine_config.dtype)
+             for _ in range(config.num_hidden_layers)),
+            RMSNorm(config.hidden_size, config.rms_norm_eps))
         self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         self.tie_weights()
 

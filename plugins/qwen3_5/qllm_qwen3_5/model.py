@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from qllm.config import EngineConfig
+from qllm.layers.decoder_stack import DecoderStack
 from qllm.layers.embedding import LMHead
 from qllm.layers.norm import RMSNorm
 from qllm.model_api import CausalLM
@@ -63,23 +64,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class HybridModel(nn.Module):
-    def __init__(self, config, variant: Variant, kernels: Kernels,
-                 engine_config: EngineConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, variant, kernels, engine_config)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
-
-    def forward(self, input_ids, positions, batch):
-        hidden, residual = self.embed_tokens(input_ids), None  # [T, H]
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, batch)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-
 class Qwen3_5ForCausalLM(CausalLM):
     """Serves every hybrid architecture of the plugin; ``architecture`` picks the variant.
     For the multimodal ``*ForConditionalGeneration`` checkpoints only the text path is built.
@@ -104,7 +88,11 @@ class Qwen3_5ForCausalLM(CausalLM):
         self.config = config
         # transformers ties on the config the top-level model was built from
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.model = HybridModel(config, self.variant, kernels, engine_config)
+        self.model = DecoderStack(
+            config.vocab_size, config.hidden_size,
+            (DecoderLayer(config, i, self.variant, kernels, engine_config)
+             for i in range(config.num_hidden_layers)),
+            RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True))
         self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         self.tie_weights()
 
