@@ -41,3 +41,23 @@ def run_interpreted_tests(test_file: str, *pytest_args: str) -> None:
         env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+def graphs_traced_by(run) -> list[torch.fx.GraphModule]:
+    """Call ``run(backend)`` with a graph-recording ``torch.compile`` backend, then with
+    ``aot_eager`` (dynamo reset before each); returns the graphs the recorder received."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for backend in (record, "aot_eager"):
+        torch._dynamo.reset()
+        run(backend)
+    return graphs
+
+
+def called_ops(graph: torch.fx.GraphModule) -> list:
+    """The targets of a traced graph's function calls, in order."""
+    return [node.target for node in graph.graph.nodes if node.op == "call_function"]

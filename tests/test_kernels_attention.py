@@ -19,8 +19,8 @@ import torch
 pytest.importorskip("qllm_kernels_attention")
 
 # after the skip above, so the suite runs where the plugin is not installed
-from kernel_testing import (HAS_TRITON, cuda, interpreted, interpreter_driver,  # noqa: E402
-                            run_interpreted_tests)
+from kernel_testing import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
+                            interpreted, interpreter_driver, run_interpreted_tests)
 from qllm.ops import attention  # noqa: E402
 from qllm.plugins import PluginRegistry  # noqa: E402
 from qllm_kernels_attention import ops, plugin  # noqa: E402
@@ -186,20 +186,14 @@ def test_compile_fullgraph_on_fake_path(op):
     fn, case = ((ops.paged_attention_decode, TINY_DECODE["gqa2-d16-p4"]) if op == "decode"
                 else (ops.paged_attention_prefill, TINY_PREFILL["ragged-gqa2-d16-p8"]))
     x = _to_meta(paged_inputs(**case))
-    graphs = []
 
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    for compile_backend in (backend, "aot_eager"):
-        torch._dynamo.reset()
-        compiled = torch.compile(fn, fullgraph=True, backend=compile_backend)
+    def run(backend):
+        compiled = torch.compile(fn, fullgraph=True, backend=backend)
         out = compiled(x.q, x.k_cache, x.v_cache, x.batch, x.scale)
         assert out.device.type == "meta" and out.shape == x.q.shape and out.dtype == x.q.dtype
-    (graph,) = graphs
-    targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
-    assert targets == [getattr(torch.ops.qllm_attn, f"paged_{op}").default]
+
+    (graph,) = graphs_traced_by(run)
+    assert called_ops(graph) == [getattr(torch.ops.qllm_attn, f"paged_{op}").default]
 
 
 def test_plugin_registrations():

@@ -27,8 +27,8 @@ pytest.importorskip("qllm_kernels_gdn")
 
 # after the skip above, so the suite runs where the plugin is not installed
 from qllm.ops import gdn as reference  # noqa: E402
-from kernel_testing import (HAS_TRITON, INTERPRETING, cuda, interpreted,  # noqa: E402
-                            interpreter_driver,
+from kernel_testing import (HAS_TRITON, INTERPRETING, called_ops, cuda,  # noqa: E402
+                            graphs_traced_by, interpreted, interpreter_driver,
                             run_interpreted_tests)
 from qllm.plugins import PluginRegistry  # noqa: E402
 from qllm.runner.batch import ForwardBatch  # noqa: E402
@@ -354,21 +354,15 @@ def test_compile_fullgraph_on_fake_path(case):
         args = list(gdn_inputs(batch, geometry, TINY_SLOTS, torch.bfloat16,
                                torch.float32).args())
     args = [_to_meta(arg) for arg in args]
-    graphs = []
+    expected = args[0] if op_name.startswith("conv") else args[2]  # x, or v
 
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    for compile_backend in (backend, "aot_eager"):
-        torch._dynamo.reset()
-        out = torch.compile(fn, fullgraph=True, backend=compile_backend)(*args)
-        expected = args[0] if op_name.startswith("conv") else args[2]  # x, or v
+    def run(backend):
+        out = torch.compile(fn, fullgraph=True, backend=backend)(*args)
         assert out.device.type == "meta" and out.shape == expected.shape
         assert out.dtype == expected.dtype
-    (graph,) = graphs
-    targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
-    assert targets == [getattr(torch.ops.qllm_gdn, op_name).default]
+
+    (graph,) = graphs_traced_by(run)
+    assert called_ops(graph) == [getattr(torch.ops.qllm_gdn, op_name).default]
 
 
 def test_plugin_registrations(monkeypatch):
