@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # One device-machine call: install qllm and its plugins (no network there), then run the
 # stages named on the command line, logging each under $OUT (or ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests w1 w1-peer w2 w3 kernels
-# Stages: tests (the CUDA tests), kernels (kernel micro-benchmarks), w1, w1-peer
-# (transformers on the first 64 W1 prompts), w2, w3. Wheels in .whl/ (fla-core...) are
-# installed first when present.
+#   bash benchmarks/gpu_run.sh gpu-tests w1 profile-w1 kernel-tests
+# Stages (each killed after its time limit, so one hang does not cost the call):
+#   gpu-tests: Qwen3 and Qwen3.5 model tests on CUDA; kernel-tests: kernel parity tests;
+#   kernels: kernel micro-benchmarks; w1, w2, w3: throughput.py; w1-peer, w2-peer, w3-peer:
+#   transformers on the same workload; profile-w1, profile-w2: profile_decode.py;
+#   state-dtype: bf16 vs fp32 recurrent state at the real geometry.
+# Wheels in .whl/ (fla-core...) are installed first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -18,27 +21,43 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/qwen3 \
     -e plugins/qwen3_5 -e plugins/kernels_attention -e plugins/kernels_moe \
     -e plugins/kernels_gdn > "$out/install.log" 2>&1 || { tail "$out/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv | tee "$out/gpu.txt"
-run() {  # run NAME COMMAND...: log to $out/NAME.log, print the last lines
-    local name=$1; shift
-    echo "=== $name: $*"
-    "$@" > "$out/$name.log" 2>&1
-    echo "exit $? ($name)"
-    tr '\r' '\n' < "$out/$name.log" | grep -vE "graph/s|req/s|it/s" | tail -6
+run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, print the last lines
+    local name=$1 limit=$2; shift 2
+    echo "=== $name (limit ${limit} s): $*"
+    local start=$SECONDS
+    timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
+    echo "exit $? ($name, $((SECONDS - start)) s)"
+    tr '\r' '\n' < "$out/$name.log" | grep -vE "graph/s|req/s|it/s" | tail -${TAIL:-8}
 }
 for stage in "$@"; do
     case $stage in
-        tests) run tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu_qwen3.py \
-                   tests/test_kernels_attention.py tests/test_kernels_moe.py tests/test_kernels_gdn.py ;;
-        kernels) run bench_attention python3 benchmarks/bench_attention.py
-                 run bench_moe python3 benchmarks/bench_moe.py
-                 run bench_gdn python3 benchmarks/bench_gdn.py ;;
-        w1) run w1 python3 benchmarks/throughput.py --workload w1 ;;
-        w1-peer) run w1_peer python3 benchmarks/throughput.py --workload w1 --engine transformers \
-                     --peer-prompts 64 ;;
-        w2) run w2 python3 benchmarks/throughput.py --workload w2 --max-num-seqs 200 \
+        gpu-tests) run gpu_tests 300 python3 -m pytest -q -p no:cacheprovider \
+                       tests/test_gpu_qwen3.py tests/test_gpu_qwen3_5.py ;;
+        kernel-tests) run kernel_tests 300 python3 -m pytest -q -p no:cacheprovider \
+                          tests/test_kernels_moe.py tests/test_kernels_gdn.py ;;
+        attention-tests) run attention_tests 300 python3 -m pytest -q -p no:cacheprovider \
+                             tests/test_kernels_attention.py ;;
+        kernels) run bench_attention 100 python3 benchmarks/bench_attention.py
+                 run bench_moe 100 python3 benchmarks/bench_moe.py
+                 run bench_gdn 100 python3 benchmarks/bench_gdn.py ;;
+        w1) run w1 240 python3 benchmarks/throughput.py --workload w1 ;;
+        w1-peer) run w1_peer 200 python3 benchmarks/throughput.py --workload w1 \
+                     --engine transformers --peer-prompts 64 ;;
+        w2) run w2 300 python3 benchmarks/throughput.py --workload w2 --max-num-seqs 200 \
                 --max-model-len 3072 ;;
-        w3) run w3 python3 benchmarks/throughput.py --workload w3 --max-num-seqs 1 \
+        w2-peer) run w2_peer 200 python3 benchmarks/throughput.py --workload w2 \
+                     --engine transformers --peer-prompts 32 --peer-batch 32 \
+                     --peer-max-tokens 200 ;;
+        w3) run w3 150 python3 benchmarks/throughput.py --workload w3 --max-num-seqs 1 \
                 --max-model-len 1024 ;;
+        w3-peer) run w3_peer 150 python3 benchmarks/throughput.py --workload w3 \
+                     --engine transformers --peer-batch 1 --peer-max-tokens 64 ;;
+        profile-w1) run profile_w1 150 python3 benchmarks/profile_decode.py --workload w1 \
+                        --batch 256 --context 1100 --out "$out" ;;
+        profile-w2) run profile_w2 200 python3 benchmarks/profile_decode.py --workload w2 \
+                        --batch 200 --context 2000 --out "$out" ;;
+        state-dtype) run state_dtype 200 python3 benchmarks/state_dtype_accuracy.py \
+                         --device cuda --dtype bfloat16 --real-geometry-layers 4 ;;
         *) echo "unknown stage $stage" ;;
     esac
 done

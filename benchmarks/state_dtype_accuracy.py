@@ -6,7 +6,8 @@ the two engines' next-token logits at every step of the fp32 engine's continuati
 token per step so the state is stored (and rounded) after every token, as in decode.
 
     python benchmarks/state_dtype_accuracy.py                      # tiny random model, CPU
-    python benchmarks/state_dtype_accuracy.py --device cuda --dtype bfloat16 --kind qwen3_5_moe
+    python benchmarks/state_dtype_accuracy.py --device cuda --dtype bfloat16 \
+        --real-geometry-layers 4
 """
 
 from __future__ import annotations
@@ -52,12 +53,21 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--real-geometry-layers", type=int,
+                        help="instead of a tiny model: Qwen3.5-35B-A3B geometry, this many layers")
     args = parser.parse_args()
 
     path = tempfile.mkdtemp(prefix="qllm-state-dtype-")
-    testing.save_checkpoint(args.kind, path, max_position_embeddings=2048)
+    if args.real_geometry_layers:
+        args.kind = "qwen3_5_moe (35B-A3B geometry)"
+        testing.build_real_geometry_model(args.real_geometry_layers, args.device,
+                                          getattr(torch, args.dtype)).save_pretrained(path)
+        vocab = 10000
+    else:
+        testing.save_checkpoint(args.kind, path, max_position_embeddings=2048)
+        vocab = 512
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, 512, (int(n),), generator=generator).tolist()
+    prompts = [torch.randint(2, vocab, (int(n),), generator=generator).tolist()
                for n in torch.randint(20, 200, (args.prompts,), generator=generator)]
     greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     engines = {state: LLM(path, device=args.device, dtype=args.dtype, enforce_eager=True,
@@ -76,7 +86,7 @@ def main() -> None:
         cosines.append(torch.nn.functional.cosine_similarity(ref_logits, test_logits, dim=-1))
     cosine = torch.cat(cosines)
     print(json.dumps({
-        "kind": args.kind, "device": args.device, "dtype": args.dtype,
+        "kind": args.kind, "layers": args.real_geometry_layers, "device": args.device, "dtype": args.dtype,
         "prompts": len(prompts), "tokens_per_prompt": args.tokens,
         "greedy_token_agreement": round(matching / (len(prompts) * args.tokens), 4),
         "first_divergence_median": sorted(first_divergence)[len(first_divergence) // 2],

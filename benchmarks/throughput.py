@@ -3,6 +3,8 @@ real geometry (``load_format="dummy"`` on a config.json this script writes).
 
     python benchmarks/throughput.py --workload w1                     # qllm
     python benchmarks/throughput.py --workload w1 --engine transformers --peer-prompts 64
+    python benchmarks/throughput.py --workload w2 --engine transformers --peer-prompts 32 \
+        --peer-batch 32 --peer-max-tokens 200
 
 Prints one JSON line per run: engine, workload, tokens, seconds, tok/s, peak memory, commit.
 """
@@ -112,11 +114,15 @@ def run_transformers(model_dir: str, prompts, params, args) -> dict:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk],
                             device="cuda")
         max_new = max(m for m, _ in chunk_params)
+        if args.peer_max_tokens:
+            max_new = min(max_new, args.peer_max_tokens)
+            chunk_params = [(min(m, max_new), t) for m, t in chunk_params]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.no_grad():
             model.generate(ids, attention_mask=mask, max_new_tokens=max_new,
-                           min_new_tokens=max_new, do_sample=True, temperature=0.6,
+                           min_new_tokens=max_new, do_sample=chunk_params[0][1] > 0,
+                           temperature=chunk_params[0][1] or None,
                            pad_token_id=0)
         torch.cuda.synchronize()
         seconds += time.perf_counter() - t0
@@ -135,6 +141,8 @@ def main() -> int:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--peer-prompts", type=int, help="run only the first N prompts")
     parser.add_argument("--peer-batch", type=int, default=64)
+    parser.add_argument("--peer-max-tokens", type=int,
+                        help="cap the peer's generated tokens per prompt (a shorter peer run)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("throughput.py needs a CUDA device", file=sys.stderr)

@@ -51,12 +51,37 @@ def build_hf_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
         raise ValueError(f"unknown kind {kind!r}")
     if "moe" in kind or kind == "qwen3_next":
         model.set_experts_implementation("eager")  # grouped_mm does not run in fp64 on CPU
-    generator = torch.Generator().manual_seed(seed + 1)
+    perturb_(model, seed + 1)
+    return model.eval()
+
+
+def build_real_geometry_model(num_hidden_layers: int = 4, device: str = "cuda",
+                              dtype: torch.dtype = torch.bfloat16,
+                              seed: int = 0) -> torch.nn.Module:
+    """A transformers ``Qwen3_5MoeForCausalLM`` at the Qwen3.5-35B-A3B geometry
+    (``Qwen3_5MoeTextConfig()`` defaults) cut to its first ``num_hidden_layers`` layers, with
+    random perturbed weights, built on ``device`` in ``dtype``."""
+    import transformers
+
+    torch.manual_seed(seed)
+    defaults = transformers.Qwen3_5MoeTextConfig()
+    config = transformers.Qwen3_5MoeTextConfig(
+        num_hidden_layers=num_hidden_layers,
+        layer_types=defaults.layer_types[:num_hidden_layers])
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    perturb_(model, seed + 1)
+    return model.eval()
+
+
+def perturb_(model: torch.nn.Module, seed: int, scale: float = 0.3) -> None:
+    """Add N(0, scale) noise to the ``PERTURBED`` parameters of ``model``."""
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if any(key in name for key in PERTURBED):
-                param.add_(torch.randn(param.shape, generator=generator) * 0.3)
-    return model.eval()
+                noise = torch.randn(param.shape, generator=generator) * scale
+                param.add_(noise.to(param.device, param.dtype))
 
 
 def save_checkpoint(kind: str, path: str, seed: int = 0, **overrides) -> torch.nn.Module:

@@ -1,0 +1,139 @@
+"""Profile decode steps of a workload's model at a fixed batch (torch profiler, CUDA).
+
+Admits ``--batch`` sequences of ``--context`` prompt tokens, prefills them, then
+(a) times ``--steps`` decode steps as the engine runs them (CUDA graphs when captured),
+(b) profiles the same steps: GPU busy time per step and the idle gaps between kernels,
+(c) sums kernel time by op kind (GDN, attention, MoE, GEMM, sampling, other) per step.
+Writes a Chrome trace and the top-kernel table under ``--out``.
+
+    python benchmarks/profile_decode.py --workload w1 --batch 256 --context 1100
+    python benchmarks/profile_decode.py --workload w2 --batch 200 --context 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from throughput import commit, workload, write_config
+
+# Kernel-name fragments -> op kind, first match wins.
+OP_KINDS = [
+    ("gdn", ("gdn", "gated_delta", "recurrent", "chunk_", "conv1d", "conv_")),
+    ("attention", ("attn", "attention", "paged")),
+    ("moe", ("moe", "expert", "align", "topk", "sort")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "matmul", "splitk")),
+    ("sampling", ("sample", "argmax", "exponential", "softmax", "multinomial")),
+]
+
+
+def op_kind(kernel: str) -> str:
+    name = kernel.lower()
+    return next((kind for kind, parts in OP_KINDS if any(p in name for p in parts)), "other")
+
+
+def decode_ready_engine(args):
+    """An engine with ``args.batch`` sequences admitted and prefilled, ready to decode."""
+    from qllm import LLM, SamplingParams
+
+    config, _, _ = workload(args.workload)
+    llm = LLM(write_config(config, args.num_layers), load_format="dummy", dtype="bfloat16",
+              max_num_seqs=args.batch, max_model_len=args.context + 2 * args.steps + 64,
+              enforce_eager=args.enforce_eager)
+    engine = llm.engine
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=4 * args.steps + 16, ignore_eos=True)
+    for _ in range(args.batch):
+        engine.add_request([rng.randint(0, 9999) for _ in range(args.context)], params)
+    while engine.scheduler.waiting or any(s.num_output_tokens == 0
+                                          for s in engine.scheduler.running):
+        engine.step()
+    return llm
+
+
+def kernel_intervals(prof) -> list[tuple[float, float, str]]:
+    """``(start_us, end_us, name)`` of every GPU kernel the profiler saw."""
+    out = []
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.time_range.elapsed_us():
+            out.append((event.time_range.start, event.time_range.end, event.name))
+    return sorted(out)
+
+
+def busy_and_gaps(intervals) -> tuple[float, float, int]:
+    """Union of kernel time, total idle time between kernels, number of gaps > 5 us."""
+    busy, idle, gaps, end = 0.0, 0.0, 0, None
+    for start, stop, _ in intervals:
+        if end is None or start >= end:
+            if end is not None:
+                idle += start - end
+                gaps += start - end > 5
+            busy += stop - start
+            end = stop
+        elif stop > end:  # overlaps the previous kernels
+            busy += stop - end
+            end = stop
+    return busy, idle, gaps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=["w1", "w2", "w3"], default="w1")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=1100, help="prompt tokens per sequence")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--num-layers", type=int)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--out", default=os.environ.get("OUT", "profile-out"))
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    llm = decode_ready_engine(args)
+    engine = llm.engine
+    for _ in range(3):  # warm-up
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - start) / args.steps * 1e3
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+    tag = f"{args.workload}-b{args.batch}-ctx{args.context}"
+    prof.export_chrome_trace(os.path.join(args.out, f"trace-{tag}.json"))
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    with open(os.path.join(args.out, f"kernels-{tag}.txt"), "w") as f:
+        f.write(table)
+    intervals = kernel_intervals(prof)
+    busy, idle, gaps = busy_and_gaps(intervals)
+    by_kind: dict[str, float] = {}
+    for start_us, end_us, name in intervals:
+        kind = op_kind(name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + (end_us - start_us)
+    print(table)
+    print(json.dumps({
+        "workload": args.workload, "batch": args.batch, "context": args.context,
+        "num_layers": args.num_layers, "graphs": engine.runner.graphs is not None,
+        "step_ms": round(step_ms, 3), "decode_tok_per_s": round(args.batch / step_ms * 1e3, 1),
+        "kernels_per_step": len(intervals) // args.steps,
+        "gpu_busy_ms_per_step": round(busy / args.steps / 1e3, 3),
+        "gpu_idle_between_kernels_ms_per_step": round(idle / args.steps / 1e3, 3),
+        "gaps_over_5us_per_step": gaps // args.steps,
+        "kernel_ms_per_step_by_kind": {k: round(v / args.steps / 1e3, 3)
+                                       for k, v in sorted(by_kind.items())},
+        "commit": commit(), "date": time.strftime("%Y-%m-%d")}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
