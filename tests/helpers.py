@@ -82,3 +82,16 @@ def prefill_logits(llm, prompt: list[int]) -> torch.Tensor:
             return engine.model.compute_logits(engine.model(input_ids, positions, batch))
     finally:
         engine.cache.release(seq)
+
+
+def assert_same_tokens(got: list[dict], expected: list[dict]) -> None:
+    """Every output's token ids equal the expected ones; the message says where each of the
+    differing outputs first diverges."""
+    diverged = {}
+    for i, (g, e) in enumerate(zip(got, expected)):
+        pairs = list(zip(g["token_ids"], e["token_ids"]))
+        first = next((j for j, (a, b) in enumerate(pairs) if a != b), None)
+        if first is not None or len(g["token_ids"]) != len(e["token_ids"]):
+            diverged[i] = first
+    assert not diverged, (f"{len(diverged)} of {len(expected)} outputs differ; "
+                          f"first differing token per output: {diverged}")

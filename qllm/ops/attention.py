@@ -15,9 +15,15 @@ from qllm.runner.batch import ForwardBatch
 
 def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Write new keys/values ``[T, kv_heads, head_dim]`` to their flat entries ``[T]``."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Write new keys/values ``[T, kv_heads, head_dim]`` to their flat entries ``[T]``.
+
+    The caches are indexed by (block, offset) rather than written through a flat view: under
+    ``torch.compile`` (torch 2.11) an in-place write to a view of a graph input is not turned
+    back in place, and the compiled step then copies the whole cache twice per layer.
+    """
+    blocks, offsets = slot_mapping // k_cache.shape[1], slot_mapping % k_cache.shape[1]
+    k_cache.index_put_((blocks, offsets), k.to(k_cache.dtype))
+    v_cache.index_put_((blocks, offsets), v.to(v_cache.dtype))
 
 
 def _gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

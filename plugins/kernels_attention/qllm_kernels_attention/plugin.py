@@ -5,7 +5,7 @@
 - ``flash_attn`` (priority 20): the same two ops through FlashAttention-2, registered only
   when ``vllm_flash_attn`` or ``flash_attn`` is installed.
 
-``kv_store`` keeps the core's ``index_copy_``: it is one coalesced scatter per cache, already
+``kv_store`` keeps the core's ``index_put_``: it is one coalesced scatter per cache, already
 bandwidth-bound and CUDA-graph safe, and as a plain aten op it lets ``torch.compile`` fuse the
 store with the K/V producers (norm, rotary) - an opaque custom op would prevent that fusion.
 """
