@@ -31,8 +31,8 @@ run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, print the last lin
 }
 for stage in "$@"; do
     case $stage in
-        gpu-tests) run gpu_tests 300 python3 -m pytest -q -rfEP -p no:cacheprovider \
-                       tests/test_gpu_qwen3.py tests/test_gpu_qwen3_5.py ;;
+        gpu-tests) run gpu_tests 300 python3 -m pytest -v -s --tb=short -p no:cacheprovider \
+                       tests/test_gpu_qwen3_5.py tests/test_gpu_qwen3.py ;;
         kernel-tests) run kernel_tests 300 python3 -m pytest -q -p no:cacheprovider \
                           tests/test_kernels_moe.py tests/test_kernels_gdn.py ;;
         attention-tests) run attention_tests 300 python3 -m pytest -q -p no:cacheprovider \

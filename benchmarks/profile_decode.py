@@ -26,7 +26,8 @@ from throughput import commit, workload, write_config
 # Kernel-name fragments -> op kind, first match wins.
 OP_KINDS = [
     ("gdn", ("gdn", "gated_delta", "recurrent", "chunk_", "conv1d", "conv_")),
-    ("attention", ("attn", "attention", "paged")),
+    ("attention", ("attn", "attention", "paged", "decode_split", "decode_merge",
+                   "prefill_kernel")),
     ("moe", ("moe", "expert", "align", "topk", "sort")),
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "matmul", "splitk")),
     ("sampling", ("sample", "argmax", "exponential", "softmax", "multinomial")),

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_same_tokens, prefill_logits, random_prompts, save_tiny_qwen3
+from helpers import (assert_greedy_equal_up_to_ties, assert_same_tokens, prefill_logits,
+                     random_prompts, save_tiny_qwen3)
 from qllm import LLM, SamplingParams
 
 pytestmark = [pytest.mark.cuda,
@@ -69,14 +70,18 @@ def test_compiled_kv_store_writes_in_place():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_compiled_decode_equals_eager(checkpoint, dtype):
-    """Greedy tokens of CUDA-graph decode equal eager decode, 16 prompts x 48 tokens (fp32:
-    the plain-torch kernels; bf16: the installed kernel plugins)."""
+    """Greedy tokens of CUDA-graph decode equal eager decode, 16 prompts x 48 tokens: exactly
+    in fp32 (plain-torch kernels), up to near-ties in bf16 (the installed kernel plugins)."""
     path, _ = checkpoint
     prompts = random_prompts([5 + 37 * i for i in range(16)], vocab_size=VOCAB)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     engine = dict(dtype=dtype, device="cuda", max_num_seqs=16, kv_cache_memory_bytes=1 << 30)
-    expected = LLM(path, enforce_eager=True, **engine).generate(prompts, params, use_tqdm=False)
+    eager = LLM(path, enforce_eager=True, **engine)
+    expected = eager.generate(prompts, params, use_tqdm=False)
     compiled = LLM(path, **engine)
     assert compiled.engine.runner.graphs is not None
     got = compiled.generate(prompts, params, use_tqdm=False)
-    assert_same_tokens(got, expected)
+    if dtype == "float32":
+        assert_same_tokens(got, expected)
+    else:  # bf16: the compiled layers fuse and round differently, so near-ties may flip
+        assert_greedy_equal_up_to_ties(eager, prompts, got, expected)
