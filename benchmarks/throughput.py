@@ -62,7 +62,7 @@ def write_config(config: dict, num_layers: int | None) -> str:
 
 def commit() -> str:
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+        return subprocess.check_output(["git", "describe", "--always", "--dirty"], text=True,
                                        stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
