@@ -87,6 +87,7 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     recurrent_state_dtype: torch.dtype = torch.float32
+    kernels: dict[str, str] = field(default_factory=dict)  # op -> implementation name
 
     def __post_init__(self):
         self.dtype = resolve_dtype(self.dtype)

@@ -96,16 +96,33 @@ class PluginRegistry:
             f"Installed plugins and what they serve: {listing}. "
             f"Install the plugin for this model (e.g. `pip install qllm-qwen3`).")
 
-    def kernels(self, device: torch.device, dtype: torch.dtype) -> Kernels:
-        """Choose, per op, the highest-priority kernel available on ``device`` for ``dtype``."""
+    def kernels(self, device: torch.device, dtype: torch.dtype,
+                pinned: dict[str, str] | None = None) -> Kernels:
+        """Choose, per op, the highest-priority kernel available on ``device`` for ``dtype``,
+        or the implementation that ``pinned`` names for that op (e.g. ``{"fused_moe":
+        "torch"}``); a pin naming an unknown op, an unknown implementation or one unavailable
+        here raises ``ValueError``."""
         by_op: dict[str, list[KernelSpec]] = {}
         for spec in self._collect(self.manager.hook.qllm_kernels):
             by_op.setdefault(spec.op, []).append(spec)
+        pinned = dict(pinned or {})
+        unknown_ops = sorted(set(pinned) - set(by_op))
+        if unknown_ops:
+            raise ValueError(f"kernels: no op named {unknown_ops}; ops: {sorted(by_op)}")
         chosen = {}
         for op, specs in by_op.items():
-            _unique(specs, lambda spec: spec.name, f"kernel for op {op!r}")
+            named = _unique(specs, lambda spec: spec.name, f"kernel for op {op!r}")
             available = [s for s in specs if s.is_available(device, dtype)]
-            if available:
+            if op in pinned:
+                spec = named.get(pinned[op])
+                if spec is None or spec not in available:
+                    why = "is not registered" if spec is None else \
+                        f"is not available on {device.type} for {dtype}"
+                    raise ValueError(
+                        f"kernels: {op}={pinned[op]!r} {why}; available here: "
+                        f"{sorted(s.name for s in available)}")
+                chosen[op] = spec
+            elif available:
                 chosen[op] = max(available, key=lambda s: s.priority)
         return Kernels(chosen)
 

@@ -32,20 +32,39 @@ def checkpoint(tmp_path_factory):
     return str(path), model
 
 
-def test_bf16_last_token_logits_match_transformers(checkpoint):
-    """qllm in bf16 against transformers in fp32 on the same weights: cosine >= 0.999 and the
-    same argmax. transformers in bf16 is reported beside it but is not the oracle: at this
-    geometry its own bf16 error is as large as the tolerance (on CPU, 2 layers:
-    transformers-bf16 vs fp32 cosine 0.9994, qllm-bf16 vs fp32 0.9999)."""
-    path, hf_model = checkpoint
-    llm = LLM(path, enforce_eager=True, **ENGINE)
+# Kernel pins for the logits test: the installed plugins, then the plain-torch kernels of the
+# ops a prefill runs, so a miss says which kernel carries the error.
+PINS = {
+    "plugins": {},
+    "torch-moe": {"fused_moe": "torch"},
+    "torch-gdn": {"gdn_prefill": "torch", "causal_conv1d_prefill": "torch"},
+    "torch-attention": {"paged_attention_prefill": "torch"},
+}
+
+
+@pytest.fixture(scope="module")
+def reference_logits(checkpoint):
+    """``[(prompt, transformers bf16 logits, transformers fp32 logits)]`` of the last token."""
+    _, hf_model = checkpoint
     hf_fp32 = copy.deepcopy(hf_model).float()
-    report, failures = [], []
+    out = []
     for prompt in random_prompts([7, 100, 300, 1000], vocab_size=VOCAB):
         with torch.no_grad():
             ids = torch.tensor([prompt], device="cuda")
-            hf_bf16 = hf_model(ids).logits[0, -1]
-            exact = hf_fp32(ids).logits[0, -1]
+            out.append((prompt, hf_model(ids).logits[0, -1], hf_fp32(ids).logits[0, -1]))
+    return out
+
+
+@pytest.mark.parametrize("pins", PINS.values(), ids=PINS.keys())
+def test_bf16_last_token_logits_match_transformers(checkpoint, reference_logits, pins):
+    """qllm in bf16 against transformers in fp32 on the same weights: cosine >= 0.999 and the
+    same argmax. transformers in bf16 is reported beside it but is not the oracle: at this
+    geometry its own bf16 error is of the order of the tolerance (2026-11-29, router
+    perturbed: transformers-bf16 vs fp32 cosine 0.9938-0.9992)."""
+    path, _ = checkpoint
+    llm = LLM(path, enforce_eager=True, kernels=pins, **ENGINE)
+    report, failures = [], []
+    for prompt, hf_bf16, exact in reference_logits:
         got = prefill_logits(llm, prompt)[-1]
         cosine = _cosine(got, exact)
         report.append(f"{len(prompt)} tokens: qllm-bf16/hf-fp32 {cosine:.5f}, "

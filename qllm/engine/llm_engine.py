@@ -47,7 +47,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_positions}")
         self.config = config
-        self.kernels = self.plugins.kernels(self.device, config.dtype)
+        self.kernels = self.plugins.kernels(self.device, config.dtype, config.kernels)
         self.model = build_model(config, hf_config, self.plugins, self.kernels, self.device)
         self.cache = CacheRegistry(self.model, self.plugins, config, self.device)
         self.scheduler = Scheduler(config, self.cache)
