@@ -88,6 +88,7 @@ class EngineConfig:
     seed: int = 0
     recurrent_state_dtype: torch.dtype = torch.float32
     kernels: dict[str, str] = field(default_factory=dict)  # op -> implementation name
+    async_scheduling: bool = True  # prepare step N+1 while step N runs on the device
 
     def __post_init__(self):
         self.dtype = resolve_dtype(self.dtype)

@@ -99,10 +99,11 @@ class BlockManager:
         block.token_ids = ()
 
     def register_computed(self, seq: Sequence) -> None:
-        """Register the hashes of ``seq``'s blocks that became full and computed."""
+        """Register the hashes of ``seq``'s blocks that became full and computed (of known
+        tokens: a pending token's block waits until its value lands)."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         parent = None
         for index in range(num_full):
             block = self.blocks[seq.block_table[index]]

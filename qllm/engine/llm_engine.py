@@ -12,11 +12,11 @@ from qllm.cache.registry import CacheRegistry
 from qllm.config import EngineConfig, SamplingParams
 from qllm.engine.detokenizer import IncrementalDetokenizer
 from qllm.engine.scheduler import Scheduler
-from qllm.engine.sequence import Sequence
+from qllm.engine.sequence import Sequence, SequenceStatus
 from qllm.engine.stop import check_stop
 from qllm.model_builder import build_model, load_hf_config
 from qllm.plugins import PluginRegistry, default_registry
-from qllm.runner.model_runner import ModelRunner
+from qllm.runner.model_runner import ModelRunner, SampledStep
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,12 @@ class LLMEngine:
     ``add_request`` validates and queues a request; each ``step`` runs one batch and returns
     the sequences that advanced. Bad requests raise ``ValueError`` before anything is queued,
     so the engine stays usable.
+
+    With ``async_scheduling`` (the default) a step launches batch N on the device and only
+    then waits for the tokens of batch N-1, so the host's work (appending tokens, stop checks,
+    scheduling and building batch N+1) overlaps the device's. Batch N takes the tokens of
+    N-1 that it needs straight from the device. A sequence that stops on a token of N-1 may
+    already be in batch N; that row's token is dropped.
     """
 
     def __init__(self, config: EngineConfig, plugins: PluginRegistry | None = None):
@@ -55,6 +61,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(config.model, text_config, self.tokenizer)
         self.sequences: dict[str, Sequence] = {}
+        self._in_flight: SampledStep | None = None  # launched, tokens not yet appended
 
     # ----------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -106,21 +113,33 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ----------------------------------------------------------------- stepping
     def step(self) -> list[Sequence]:
-        """Run one batch; returns the sequences that got a token (finished ones included)."""
+        """Run one batch; returns the sequences that got a token (finished ones included):
+        those of this batch, or with ``async_scheduling`` those of the batch before it."""
         batch = self.scheduler.schedule()
-        if batch is None:
+        launched = None
+        if batch is not None:
+            launched = self.runner.launch(batch, previous=self._in_flight)
+            for seq, n in zip(batch.seqs, batch.num_tokens):
+                seq.num_computed_tokens += n
+            for seq in launched.seqs:
+                seq.num_pending_tokens += 1
+        if not self.config.async_scheduling:
+            return self._append_tokens(launched)
+        previous, self._in_flight = self._in_flight, launched
+        return self._append_tokens(previous)
+
+    def _append_tokens(self, step: SampledStep | None) -> list[Sequence]:
+        """Wait for ``step``'s tokens, append them and check the stop conditions."""
+        if step is None:
             return []
-        tokens = self.runner.run(batch)
         advanced = []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed_tokens += n
-            self.cache.register_computed(seq)
-            token = tokens.get(seq.seq_id)
-            if token is None:
+        for seq, token in zip(step.seqs, step.tokens()):
+            seq.num_pending_tokens -= 1
+            if seq.is_finished:  # stopped or aborted while this step ran
                 continue
             seq.append_token(token)
             if seq.detokenizer is not None:
@@ -130,6 +149,9 @@ class LLMEngine:
             if reason is not None:
                 self._finish(seq, reason)
             advanced.append(seq)
+        for seq in step.batch.seqs:
+            if seq.status == SequenceStatus.RUNNING:
+                self.cache.register_computed(seq)
         return advanced
 
     def _finish(self, seq: Sequence, reason: str) -> None:

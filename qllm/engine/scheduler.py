@@ -37,6 +37,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
+        self.max_model_len = config.max_model_len
         self.cache = cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -67,6 +68,8 @@ class Scheduler:
                     budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending_tokens:  # preempted with a token still on its way: next step
+                break
             if not self.cache.admit(seq):
                 break
             n = seq.num_uncomputed_tokens
@@ -88,9 +91,17 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch | None:
         scheduled = [seq for seq in list(self.running)
                      if seq.status == SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1
+                     and not self._finishes_by_length(seq)
                      and self._reserve_or_preempt(seq, 1)]
         return ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False) \
             if scheduled else None
+
+    def _finishes_by_length(self, seq: Sequence) -> bool:
+        """Whether ``seq`` stops on ``max_tokens`` or ``max_model_len`` once its pending
+        tokens land, so another step for it would be wasted."""
+        return bool(seq.num_pending_tokens) and (
+            seq.num_output_tokens + seq.num_pending_tokens >= seq.sampling_params.max_tokens
+            or len(seq) >= self.max_model_len)
 
     def _reserve_or_preempt(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Reserve room for ``seq``, preempting the latest-admitted running sequences while

@@ -17,10 +17,13 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """A request: its prompt, generated tokens, and how much of it the cache holds.
 
-    ``num_computed_tokens`` counts tokens whose KV/recurrent state is in the cache. Each step
-    computes ``token_ids[num_computed_tokens : num_computed_tokens + n]``; once every token is
-    computed the model samples the next one. Preemption resets ``num_computed_tokens`` to 0 and
-    keeps the generated tokens, which are recomputed with the prompt on readmission.
+    ``num_computed_tokens`` counts tokens whose KV/recurrent state is in the cache (or is being
+    written by a launched step). Each step computes positions ``num_computed_tokens`` to
+    ``num_computed_tokens + n``; once every position is computed the model samples the next
+    token. A sampled token whose value has not reached the host yet is *pending*: it counts in
+    ``len(seq)`` but not in ``token_ids`` until the engine appends it. Preemption resets
+    ``num_computed_tokens`` to 0 and keeps the generated tokens, which are recomputed with the
+    prompt on readmission.
     """
 
     _ids = itertools.count()
@@ -43,9 +46,11 @@ class Sequence:
         self.last_text_delta_len = 0
         self.num_preemptions = 0
         self.generator = None  # a torch.Generator when sampling_params.seed is set
+        self.num_pending_tokens = 0  # sampled by a launched step, value not yet on the host
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        """Tokens known plus tokens pending."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -57,7 +62,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self) - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

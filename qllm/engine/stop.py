@@ -25,6 +25,6 @@ def check_stop(seq: Sequence, eos_token_ids: set[int], max_model_len: int) -> st
         if hits:
             seq.output_text = seq.output_text[:min(hits)]
             return "stop"
-    if seq.num_output_tokens >= params.max_tokens or len(seq) >= max_model_len:
+    if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= max_model_len:
         return "length"
     return None

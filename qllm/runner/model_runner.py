@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -10,6 +11,7 @@ import torch
 from qllm.cache.registry import CacheRegistry
 from qllm.config import EngineConfig
 from qllm.engine.scheduler import ScheduledBatch
+from qllm.engine.sequence import Sequence
 from qllm.layers.sampler import SamplingTensors, sample
 from qllm.model_api import CausalLM
 from qllm.runner.batch import ForwardBatch
@@ -18,6 +20,27 @@ from qllm.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs
 logger = logging.getLogger(__name__)
 
 RECOMPILE_LIMIT = 64
+
+
+@dataclasses.dataclass
+class SampledStep:
+    """A launched step's sampled tokens: on the device at once (the next step can take its
+    inputs from them), on the host once ``tokens()`` has waited for the copy."""
+
+    batch: ScheduledBatch
+    seqs: list[Sequence]          # the sequences that sampled, in token order
+    device_tokens: torch.Tensor   # [N] int64
+    host_tokens: torch.Tensor     # [N] int64, pinned on CUDA, filled asynchronously
+    copied: torch.cuda.Event | None
+
+    def __post_init__(self):
+        self.rows = {seq.seq_id: row for row, seq in enumerate(self.seqs)}
+
+    def tokens(self) -> list[int]:
+        """The sampled tokens as Python ints (waits for the step: the one host sync)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host_tokens.tolist()
 
 
 class ModelRunner:
@@ -54,16 +77,25 @@ class ModelRunner:
                                                                         non_blocking=True)
 
     def prepare(self, scheduled: ScheduledBatch, pad_to: int | None = None,
-                table_width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+                table_width: int | None = None, previous: SampledStep | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
         """Inputs ``[T]``, positions ``[T]`` and the ``ForwardBatch`` of a step, padded with
-        inert rows up to ``pad_to`` sequences (decode only)."""
+        inert rows up to ``pad_to`` sequences (decode only). A pending input token (sampled by
+        the ``previous`` step, not yet on the host) is taken from that step's device tokens."""
         input_ids, positions, slot_mapping = [], [], []
         query_start_loc, seq_lens, context_lens, logits_indices = [0], [], [], []
+        pending_rows, pending_sources = [], []
         bs = self.block_size
         for seq, n in zip(scheduled.seqs, scheduled.num_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             table = seq.block_table
-            input_ids += seq.token_ids[start:end]
+            known = seq.token_ids[start:end]
+            if len(known) < n:  # the last input is pending: only ever one, in a decode step
+                assert previous is not None and n - len(known) == 1, f"{seq}: inputs missing"
+                pending_rows.append(len(input_ids) + len(known))
+                pending_sources.append(previous.rows[seq.seq_id])
+                known.append(0)
+            input_ids += known
             positions += range(start, end)
             slot_mapping += [table[pos // bs] * bs + pos % bs for pos in range(start, end)] \
                 if table else [0] * n  # a model without paged layers
@@ -105,7 +137,11 @@ class ModelRunner:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), batch
+        input_ids = self._tensor(input_ids, torch.int64)
+        if pending_rows:
+            input_ids[self._tensor(pending_rows, torch.int64)] = \
+                previous.device_tokens[self._tensor(pending_sources, torch.int64)]
+        return input_ids, self._tensor(positions, torch.int64), batch
 
     # ----------------------------------------------------------------- forward
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -118,31 +154,42 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def run(self, scheduled: ScheduledBatch) -> dict[int, int]:
-        """Run one step; returns ``{seq_id: token}`` for sequences whose next token was sampled
-        (all of a decode step; in prefill, those whose prompt is now fully computed)."""
+    def launch(self, scheduled: ScheduledBatch,
+               previous: SampledStep | None = None) -> SampledStep:
+        """Queue one step on the device and return its sampled tokens without waiting for
+        them. ``previous`` is the step launched before, whose tokens may still be pending.
+        Tokens are sampled for the sequences whose every position is then computed (all of a
+        decode step; in prefill, those whose prompt is now fully computed)."""
         bucket = self.graphs.bucket(len(scheduled)) \
             if self.graphs is not None and not scheduled.is_prefill else None
         if bucket is not None:
             input_ids, positions, batch = self.prepare(scheduled, pad_to=bucket,
-                                                       table_width=self.max_blocks_per_seq)
+                                                       table_width=self.max_blocks_per_seq,
+                                                       previous=previous)
             logits = self.graphs.replay(input_ids, positions, batch)[:len(scheduled)]
         elif scheduled.is_prefill:
-            input_ids, positions, batch = self.prepare(scheduled)
+            input_ids, positions, batch = self.prepare(scheduled, previous=previous)
             with torch.compiler.set_stance("force_eager"):  # compiled layers serve decode
                 logits = self._forward_logits(input_ids, positions, batch)
         else:
-            input_ids, positions, batch = self.prepare(scheduled)
+            input_ids, positions, batch = self.prepare(scheduled, previous=previous)
             logits = self._forward_logits(input_ids, positions, batch)
         sampled_seqs = [seq for seq, n in zip(scheduled.seqs, scheduled.num_tokens)
                         if seq.num_computed_tokens + n == len(seq)]
-        if not sampled_seqs:
-            return {}
-        settings = SamplingTensors.build([seq.sampling_params for seq in sampled_seqs],
-                                         [seq.generator for seq in sampled_seqs],
-                                         self.vocab_size, self.device)
-        tokens = sample(logits, settings).tolist()  # the one host sync of the step
-        return {seq.seq_id: token for seq, token in zip(sampled_seqs, tokens)}
+        if sampled_seqs:
+            settings = SamplingTensors.build([seq.sampling_params for seq in sampled_seqs],
+                                             [seq.generator for seq in sampled_seqs],
+                                             self.vocab_size, self.device)
+            device_tokens = sample(logits, settings)  # [N]
+        else:
+            device_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        if self.device.type != "cuda":
+            return SampledStep(scheduled, sampled_seqs, device_tokens, device_tokens, None)
+        host_tokens = torch.empty(device_tokens.shape, dtype=torch.int64, pin_memory=True)
+        host_tokens.copy_(device_tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return SampledStep(scheduled, sampled_seqs, device_tokens, host_tokens, copied)
 
     # ----------------------------------------------------------------- compiled decode
     def _compile_decode(self) -> None:
