@@ -2,10 +2,12 @@
 
 - CUDA (skipped without a GPU): bf16 parity for T in {1, 7, 64, 256, 2048} at the
   Qwen3.5-35B-A3B shape and two smaller ones, skewed routing, every entry of the shipped
-  block-size table, forced configs, fp16, CUDA-graph replay, compiled decode, ``opcheck``.
-- CPU: the sort (``moe_align``) against a naive layout, the config tables, the custom op's fake
-  path under ``torch.compile(fullgraph=True)``, the plugin's registration, and parity at tiny
-  shapes under the Triton interpreter. The interpreter must be switched on before Triton is
+  block-size table, forced configs, fp16, CUDA-graph replay, compiled decode, ``opcheck``, the
+  Triton sort against ``moe_align``.
+- CPU: the sort (``moe_align``) against a naive layout, the config tables, the custom op's
+  fake path under ``torch.compile(fullgraph=True)``, the plugin's registration, and, under the
+  Triton interpreter, the one-program Triton sort against ``moe_align`` and parity at tiny
+  shapes. The interpreter must be switched on before Triton is
   imported, so ``test_triton_interpreter`` reruns this file's ``interpreted`` tests in a
   subprocess with ``TRITON_INTERPRET=1``.
 """
@@ -173,12 +175,19 @@ def _naive_layout(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return slots, experts
 
 
+# name -> (tokens, experts, top_k, skew)
+ALIGN_CASES = {
+    "t1-e8-k2": (1, 8, 2, 0.0), "t7-k=e": (7, 8, 8, 0.0), "t64-e256-k8": (64, 256, 8, 0.0),
+    "t33-skewed": (33, 6, 2, 10.0), "t300-e16": (300, 16, 4, 0.0),
+    "t1-e256-skewed": (1, 256, 8, 10.0), "t512-e256-k8": (512, 256, 8, 0.0),
+}
+align_cases = pytest.mark.parametrize("tokens,experts,top_k,skew", ALIGN_CASES.values(),
+                                      ids=ALIGN_CASES.keys())
+
+
 @pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
 @pytest.mark.parametrize("block_m", [1, 4, 16])
-@pytest.mark.parametrize("tokens,experts,top_k,skew", [
-    (1, 8, 2, 0.0), (7, 8, 8, 0.0), (64, 256, 8, 0.0), (33, 6, 2, 10.0), (300, 16, 4, 0.0),
-    (1, 256, 8, 10.0),
-], ids=["t1-e8-k2", "t7-k=e", "t64-e256-k8", "t33-skewed", "t300-e16", "t1-e256-skewed"])
+@align_cases
 def test_moe_align(tokens, experts, top_k, skew, block_m, id_dtype):
     topk_ids = moe_inputs(tokens, experts, 8, 8, top_k, skew=skew).topk_ids.to(id_dtype)
     num_slots = tokens * top_k
@@ -197,6 +206,30 @@ def test_moe_align(tokens, experts, top_k, skew, block_m, id_dtype):
     block_of = torch.arange(padded) // block_m
     in_use = slots < num_slots
     assert (topk_ids.flatten()[slots[in_use]] == block_experts[block_of[in_use]]).all()
+
+
+def check_triton_align(tokens, experts, top_k, skew, block_m, device) -> None:
+    """The one-program Triton align gives the torch ``moe_align``'s output exactly."""
+    from qllm_kernels_moe.triton_align import moe_align_triton
+
+    topk_ids = moe_inputs(tokens, experts, 8, 8, top_k, skew=skew).topk_ids.to(device)
+    for got, expected in zip(moe_align_triton(topk_ids, experts, block_m),
+                             moe_align(topk_ids, experts, block_m)):
+        assert torch.equal(got, expected)
+
+
+@cuda
+@pytest.mark.parametrize("block_m", [16, 64])
+@align_cases
+def test_triton_align(tokens, experts, top_k, skew, block_m):
+    check_triton_align(tokens, experts, top_k, skew, block_m, "cuda")
+
+
+def test_triton_align_refuses_prefill_sizes():
+    from qllm_kernels_moe.triton_align import MAX_SLOTS, moe_align_triton
+
+    with pytest.raises(ValueError, match=f"serves up to {MAX_SLOTS}"):
+        moe_align_triton(torch.zeros(MAX_SLOTS // 8 + 1, 8, dtype=torch.int64), 256, 16)
 
 
 def test_max_padded_slots_is_reached():
@@ -270,6 +303,13 @@ def test_triton_interpreter():
 def test_interpreted_parity(case, config, dtype):
     tokens, experts, top_k, hidden, inter, skew = case
     check_parity(moe_inputs(tokens, experts, hidden, inter, top_k, dtype, skew=skew), config)
+
+
+@interpreted
+@pytest.mark.parametrize("block_m", [1, 16, 64])
+@align_cases
+def test_interpreted_triton_align(tokens, experts, top_k, skew, block_m):
+    check_triton_align(tokens, experts, top_k, skew, block_m, "cpu")
 
 
 @interpreted
