@@ -14,10 +14,11 @@ object per row.
 ``--tune`` sweeps BLOCK_M and each GEMM's BLOCK_N / BLOCK_K / GROUP_M / num_warps /
 num_stages per token count, checks the winner against the reference and rewrites the shipped
 table (``qllm_kernels_moe/configs/E=256,N=1024,K=2048.json``) entry by entry, so a sweep can be
-split over several runs with ``--tokens``. The full sweep takes the better part of an hour.
+split over several runs with ``--tokens``. The full sweep takes the better part of an hour;
+``--grid quick`` tries fewer tiles.
 
     python benchmarks/bench_moe.py [--impl triton torch]
-    python benchmarks/bench_moe.py --tune [--tokens 1 2 4 8 16 32 64 128 256 512 1024 2048 4096]
+    python benchmarks/bench_moe.py --tune [--grid quick] [--tokens 1 2 4 8 ... 4096]
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from qllm_kernels_moe import ops
 from qllm_kernels_moe.align import moe_align
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, config_path, get_config, load_table
 from qllm_kernels_moe.testing import MoeInputs, moe_inputs
+from qllm_kernels_moe.triton_align import MAX_SLOTS, moe_align_triton
 from qllm_kernels_moe.triton_moe import down, fused_moe_triton, gate_up
 from qllm_qwen3_5.moe import fused_moe as torch_fused_moe
 
@@ -113,12 +115,22 @@ def print_rows(rows: list[dict]) -> None:
 
 # ----------------------------------------------------------------------------- tuning
 
-def gemm_candidates(block_m: int, gated: bool, many_blocks_per_expert: bool):
+# Tile grids of the sweep: "full" (the better part of an hour for every token count) and
+# "quick" (a minute or two per token count, for a short GPU session).
+GRIDS = {
+    "full": dict(n_gated=(16, 32, 64, 128), n=(32, 64, 128, 256), k=(64, 128, 256),
+                 warps=(4, 8), stages=(2, 3, 4, 5)),
+    "quick": dict(n_gated=(32, 64, 128), n=(64, 128, 256), k=(64, 128), warps=(4, 8),
+                  stages=(3, 4)),
+}
+
+
+def gemm_candidates(block_m: int, gated: bool, many_blocks_per_expert: bool, grid: dict):
     """Tiles for one GEMM that fit in shared memory (gated: two weight tiles per stage)."""
-    block_ns = (16, 32, 64, 128) if gated else (32, 64, 128, 256)
+    block_ns = grid["n_gated"] if gated else grid["n"]
     group_ms = (1, 8) if many_blocks_per_expert else (1,)
-    for n, k, group, warps, stages in itertools.product(block_ns, (64, 128, 256), group_ms,
-                                                        (4, 8), (2, 3, 4, 5)):
+    for n, k, group, warps, stages in itertools.product(block_ns, grid["k"], group_ms,
+                                                        grid["warps"], grid["stages"]):
         smem = stages * (block_m * k + (2 if gated else 1) * k * n) * DTYPE.itemsize
         if smem <= SMEM_BYTES:
             yield GemmConfig(n, k, group, warps, stages)
@@ -136,7 +148,7 @@ def best_gemm(run, candidates, graph: bool) -> tuple[float, GemmConfig]:
     return best
 
 
-def tune_tokens(tokens: int) -> tuple[MoeConfig, float]:
+def tune_tokens(tokens: int, grid: dict) -> tuple[MoeConfig, float]:
     """The fastest config (sort + both GEMMs) for ``tokens`` tokens, and its time in ms."""
     inputs = moe_inputs(tokens, EXPERTS, HIDDEN, INTER, TOP_K, DTYPE, "cuda")
     x, w13, w2, topk_weights, topk_ids = inputs
@@ -147,15 +159,16 @@ def tune_tokens(tokens: int) -> tuple[MoeConfig, float]:
         if block_m > 16 and block_m > 2 * slots_per_expert:
             continue
         many = slots_per_expert > block_m
-        sorted_slots = moe_align(topk_ids, EXPERTS, block_m)
-        align_ms = time_ms(lambda: moe_align(topk_ids, EXPERTS, block_m), graph)
+        align = moe_align_triton if topk_ids.numel() <= MAX_SLOTS else moe_align
+        sorted_slots = align(topk_ids, EXPERTS, block_m)
+        align_ms = time_ms(lambda: align(topk_ids, EXPERTS, block_m), graph)
         up_ms, up = best_gemm(
             lambda c: gate_up(x, w13, sorted_slots, TOP_K, block_m, c),
-            gemm_candidates(block_m, True, many), graph)
+            gemm_candidates(block_m, True, many, grid), graph)
         hidden = gate_up(x, w13, sorted_slots, TOP_K, block_m, up)
         down_ms, dn = best_gemm(
             lambda c: down(hidden, w2, topk_weights, sorted_slots, block_m, c),
-            gemm_candidates(block_m, False, many), graph)
+            gemm_candidates(block_m, False, many, grid), graph)
         total = align_ms + up_ms + down_ms
         print(f"  T={tokens} BLOCK_M={block_m}: align {align_ms:.4f} + up {up_ms:.4f} "
               f"+ down {down_ms:.4f} = {total:.4f} ms", flush=True)
@@ -177,13 +190,13 @@ def write_table(path: Path, meta: dict, entries: dict[int, dict]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def tune(token_counts: list[int]) -> None:
+def tune(token_counts: list[int], grid: dict) -> None:
     path = config_path(EXPERTS, 2 * INTER, HIDDEN)
     document = json.loads(path.read_text())
     entries = {int(key): value for key, value in document.pop("configs").items()}
     device = torch.cuda.get_device_name()
     for tokens in token_counts:
-        config, ms = tune_tokens(tokens)
+        config, ms = tune_tokens(tokens, grid)
         entries[tokens] = {**config.to_json(), "tuned_on": device}
         write_table(path, document, entries)
         print(f"T={tokens}: {ms:.4f} ms with {config} -> {path.name}", flush=True)
@@ -197,9 +210,11 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true", help="sweep configs, rewrite the table")
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TUNE_TOKENS),
                         help="token counts to tune (with --tune)")
+    parser.add_argument("--grid", choices=sorted(GRIDS), default="full",
+                        help="tile grid of the sweep (with --tune)")
     args = parser.parse_args()
     if args.tune:
-        tune(args.tokens)
+        tune(args.tokens, GRIDS[args.grid])
         return
     rows = []
     for name, tokens in CASES.items():

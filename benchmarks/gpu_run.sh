@@ -5,8 +5,10 @@
 # Stages (each killed after its time limit, so one hang does not cost the call):
 #   gpu-tests: Qwen3 and Qwen3.5 model tests on CUDA; kernel-tests: kernel parity tests;
 #   kernels: kernel micro-benchmarks; w1, w2, w3: throughput.py; w1-peer, w2-peer, w3-peer:
-#   transformers on the same workload; profile-w1, profile-w2: profile_decode.py;
-#   state-dtype: bf16 vs fp32 recurrent state at the real geometry.
+#   transformers on the same workload; w1-sync: W1 without async scheduling; w2-bf16-state:
+#   W2 with a bf16 GDN state; profile-w1/w2/w3: profile_decode.py; state-dtype: bf16 vs fp32
+#   recurrent state at the real geometry; tune-moe: quick MoE block-size sweep for the token
+#   counts in $TUNE_TOKENS (default "1 256"), the rewritten table copied to $OUT.
 # Wheels in .whl/ (fla-core...) are installed first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +50,16 @@ for stage in "$@"; do
         w2-peer) run w2_peer 200 python3 benchmarks/throughput.py --workload w2 \
                      --engine transformers --peer-prompts 32 --peer-batch 32 \
                      --peer-max-tokens 200 ;;
+        w1-sync) run w1_sync 240 python3 benchmarks/throughput.py --workload w1 \
+                     --sync-scheduling ;;
+        w2-bf16-state) run w2_bf16_state 300 python3 benchmarks/throughput.py --workload w2 \
+                           --max-num-seqs 200 --max-model-len 3072 \
+                           --recurrent-state-dtype bfloat16 ;;
+        profile-w3) run profile_w3 150 python3 benchmarks/profile_decode.py --workload w3 \
+                        --batch 1 --context 512 --out "$out" ;;
+        tune-moe) run tune_moe 420 python3 benchmarks/bench_moe.py --tune --grid quick \
+                      --tokens ${TUNE_TOKENS:-1 256}
+                  cp plugins/kernels_moe/qllm_kernels_moe/configs/*.json "$out"/ ;;
         w3) run w3 150 python3 benchmarks/throughput.py --workload w3 --max-num-seqs 1 \
                 --max-model-len 1024 ;;
         w3-peer) run w3_peer 150 python3 benchmarks/throughput.py --workload w3 \
