@@ -6,9 +6,10 @@
 #   gpu-tests: Qwen3 and Qwen3.5 model tests on CUDA; kernel-tests: kernel parity tests;
 #   kernels: kernel micro-benchmarks; w1, w2, w3: throughput.py; w1-peer, w2-peer, w3-peer:
 #   transformers on the same workload; w1-sync: W1 without async scheduling; w2-bf16-state:
-#   W2 with a bf16 GDN state; profile-w1/w2/w3: profile_decode.py; state-dtype: bf16 vs fp32
-#   recurrent state at the real geometry; tune-moe: quick MoE block-size sweep for the token
-#   counts in $TUNE_TOKENS (default "1 256"), the rewritten table copied to $OUT.
+#   W2 with a bf16 GDN state; profile-w1/w2/w3, profile-w2-prefill: profile_step.py;
+#   state-dtype: bf16 vs fp32 recurrent state at the real geometry; tune-moe: quick MoE
+#   block-size sweep for the token counts in $TUNE_TOKENS (default "1 256"), the rewritten
+#   table copied to $OUT.
 # Wheels in .whl/ (fla-core...) are installed first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,7 +56,7 @@ for stage in "$@"; do
         w2-bf16-state) run w2_bf16_state 300 python3 benchmarks/throughput.py --workload w2 \
                            --max-num-seqs 200 --max-model-len 3072 \
                            --recurrent-state-dtype bfloat16 ;;
-        profile-w3) run profile_w3 150 python3 benchmarks/profile_decode.py --workload w3 \
+        profile-w3) run profile_w3 150 python3 benchmarks/profile_step.py --workload w3 \
                         --batch 1 --context 512 --out "$out" ;;
         tune-moe) run tune_moe 420 python3 benchmarks/bench_moe.py --tune --grid quick \
                       --tokens ${TUNE_TOKENS:-1 256}
@@ -64,10 +65,13 @@ for stage in "$@"; do
                 --max-model-len 1024 ;;
         w3-peer) run w3_peer 150 python3 benchmarks/throughput.py --workload w3 \
                      --engine transformers --peer-batch 1 --peer-max-tokens 64 ;;
-        profile-w1) run profile_w1 150 python3 benchmarks/profile_decode.py --workload w1 \
+        profile-w1) run profile_w1 150 python3 benchmarks/profile_step.py --workload w1 \
                         --batch 256 --context 1100 --out "$out" ;;
-        profile-w2) run profile_w2 200 python3 benchmarks/profile_decode.py --workload w2 \
+        profile-w2) run profile_w2 200 python3 benchmarks/profile_step.py --workload w2 \
                         --batch 200 --context 2000 --out "$out" ;;
+        profile-w2-prefill) run profile_w2_prefill 200 python3 benchmarks/profile_step.py \
+                                --workload w2 --batch 200 --context 1000 --phase prefill \
+                                --steps 4 --out "$out" ;;
         state-dtype) run state_dtype 200 python3 benchmarks/state_dtype_accuracy.py \
                          --device cuda --dtype bfloat16 --real-geometry-layers 4 ;;
         *) echo "unknown stage $stage" ;;

@@ -1,13 +1,16 @@
-"""Profile decode steps of a workload's model at a fixed batch (torch profiler, CUDA).
+"""Profile engine steps of a workload's model at a fixed batch (torch profiler, CUDA).
 
-Admits ``--batch`` sequences of ``--context`` prompt tokens, prefills them, then
-(a) times ``--steps`` decode steps as the engine runs them (CUDA graphs when captured),
-(b) profiles the same steps: GPU busy time per step and the idle gaps between kernels,
+Admits ``--batch`` sequences of ``--context`` prompt tokens. ``--phase decode`` prefills them
+first; ``--phase prefill`` profiles their prefill steps (of up to ``max_num_batched_tokens``
+tokens each, after a warm-up request). Then
+(a) times ``--steps`` steps as the engine runs them (decode: CUDA graphs when captured),
+(b) profiles the next ``--steps``: GPU busy time per step and the idle gaps between kernels,
 (c) sums kernel time by op kind (GDN, attention, MoE, GEMM, sampling, other) per step.
 Writes a Chrome trace and the top-kernel table under ``--out``.
 
-    python benchmarks/profile_decode.py --workload w1 --batch 256 --context 1100
-    python benchmarks/profile_decode.py --workload w2 --batch 200 --context 2000
+    python benchmarks/profile_step.py --workload w1 --batch 256 --context 1100
+    python benchmarks/profile_step.py --workload w2 --batch 200 --context 2000
+    python benchmarks/profile_step.py --workload w2 --batch 200 --context 1000 --phase prefill
 """
 
 from __future__ import annotations
@@ -39,22 +42,27 @@ def op_kind(kernel: str) -> str:
     return next((kind for kind, parts in OP_KINDS if any(p in name for p in parts)), "other")
 
 
-def decode_ready_engine(args):
-    """An engine with ``args.batch`` sequences admitted and prefilled, ready to decode."""
+def ready_engine(args):
+    """An engine with ``args.batch`` sequences queued; for ``--phase decode`` also prefilled,
+    so that every following step decodes."""
     from qllm import LLM, SamplingParams
 
     config, _, _ = workload(args.workload)
     llm = LLM(write_config(config, args.num_layers), load_format="dummy", dtype="bfloat16",
-              max_num_seqs=args.batch, max_model_len=args.context + 2 * args.steps + 64,
+              max_num_seqs=args.batch, max_model_len=args.context + 4 * args.steps + 64,
               enforce_eager=args.enforce_eager)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=4 * args.steps + 16, ignore_eos=True)
     for _ in range(args.batch):
         engine.add_request([rng.randint(0, 9999) for _ in range(args.context)], params)
-    while engine.scheduler.waiting or any(s.num_output_tokens == 0
-                                          for s in engine.scheduler.running):
-        engine.step()
+    if args.phase == "decode":
+        while engine.scheduler.waiting or any(len(s) == s.num_prompt_tokens
+                                              for s in engine.scheduler.running):
+            engine.step()
+        for _ in range(3):  # warm-up
+            engine.step()
     return llm
 
 
@@ -87,6 +95,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=["w1", "w2", "w3"], default="w1")
+    parser.add_argument("--phase", choices=["decode", "prefill"], default="decode")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=1100, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=10)
@@ -96,22 +105,25 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
-    llm = decode_ready_engine(args)
+    llm = ready_engine(args)
     engine = llm.engine
-    for _ in range(3):  # warm-up
-        engine.step()
+
+    def computed() -> int:
+        return sum(seq.num_computed_tokens for seq in engine.scheduler.running)
+
     torch.cuda.synchronize()
-    start = time.perf_counter()
+    before, start = computed(), time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - start) / args.steps * 1e3
+    tokens_per_step = (computed() - before) / args.steps
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             engine.step()
         torch.cuda.synchronize()
-    tag = f"{args.workload}-b{args.batch}-ctx{args.context}"
+    tag = f"{args.workload}-{args.phase}-b{args.batch}-ctx{args.context}"
     prof.export_chrome_trace(os.path.join(args.out, f"trace-{tag}.json"))
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
     with open(os.path.join(args.out, f"kernels-{tag}.txt"), "w") as f:
@@ -124,9 +136,10 @@ def main() -> None:
         by_kind[kind] = by_kind.get(kind, 0.0) + (end_us - start_us)
     print(table)
     print(json.dumps({
-        "workload": args.workload, "batch": args.batch, "context": args.context,
+        "workload": args.workload, "phase": args.phase, "batch": args.batch,
+        "context": args.context, "tokens_per_step": tokens_per_step,
         "num_layers": args.num_layers, "graphs": engine.runner.graphs is not None,
-        "step_ms": round(step_ms, 3), "decode_tok_per_s": round(args.batch / step_ms * 1e3, 1),
+        "step_ms": round(step_ms, 3), "tok_per_s": round(tokens_per_step / step_ms * 1e3, 1),
         "kernels_per_step": len(intervals) // args.steps,
         "gpu_busy_ms_per_step": round(busy / args.steps / 1e3, 3),
         "gpu_idle_between_kernels_ms_per_step": round(idle / args.steps / 1e3, 3),
