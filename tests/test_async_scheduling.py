@@ -88,3 +88,29 @@ def test_batches_are_launched_before_the_previous_tokens_are_read(qwen3_dir, mon
     for before, after in zip(launched, launched[1:]):  # N+1 is launched before N is read
         assert events.index(("launch", after)) < events.index(("read", before))
     assert [kind for kind, _ in events].count("read") == len(launched)
+
+
+def test_interrupted_generate_leaves_the_engine_usable(qwen3_dir, monkeypatch):
+    """A generate interrupted with a step in flight aborts its requests; the next generate
+    resolves the stale step and gives the same tokens as a fresh engine."""
+    prompts = random_prompts([12, 30, 50])
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    expected = LLM(qwen3_dir, **ENGINE).generate(prompts, params, use_tqdm=False)
+
+    llm = LLM(qwen3_dir, **ENGINE)
+    step, calls = llm.engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine._in_flight is not None, "the interruption should leave a step in flight"
+    monkeypatch.setattr(llm.engine, "step", step)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [g["token_ids"] for g in got] == [e["token_ids"] for e in expected]
+    assert_cache_free(llm)
