@@ -40,6 +40,9 @@ class CachePool(abc.ABC):
     def register_computed(self, seq: Sequence) -> None:
         """Called after each step that computed tokens of ``seq``."""
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix that no sequence holds (for pools that keep them)."""
+
     @abc.abstractmethod
     def release(self, seq: Sequence) -> None:
         """Free everything ``seq`` holds (finish, abort or preemption)."""

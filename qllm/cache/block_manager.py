@@ -98,6 +98,11 @@ class BlockManager:
         block.hash = None
         block.token_ids = ()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the hashes of every free block: no later prompt will hit them."""
+        for block_id in self.free:
+            self._forget(self.blocks[block_id])
+
     def register_computed(self, seq: Sequence) -> None:
         """Register the hashes of ``seq``'s blocks that became full and computed (of known
         tokens: a pending token's block waits until its value lands)."""

@@ -49,6 +49,9 @@ class PagedKVPool(CachePool):
     def release(self, seq: Sequence) -> None:
         self.manager.release(seq)
 
+    def reset_prefix_cache(self) -> None:
+        self.manager.reset_prefix_cache()
+
     @property
     def num_free_units(self) -> int:
         return self.manager.num_free_blocks

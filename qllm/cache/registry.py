@@ -105,6 +105,11 @@ class CacheRegistry:
         for pool in self.pools.values():
             pool.register_computed(seq)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prefixes that no sequence holds, in every pool."""
+        for pool in self.pools.values():
+            pool.reset_prefix_cache()
+
     def release(self, seq: Sequence) -> None:
         """Free all of ``seq``'s cache; none of its tokens count as computed any more."""
         for pool in self.pools.values():

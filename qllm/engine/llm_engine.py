@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 import torch
 
@@ -62,6 +63,28 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(config.model, text_config, self.tokenizer)
         self.sequences: dict[str, Sequence] = {}
         self._in_flight: SampledStep | None = None  # launched, tokens not yet appended
+        if config.warm_up and self.device.type == "cuda":
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Serve dummy prompts that fill one prefill step (``max_num_batched_tokens`` tokens,
+        up to ``max_num_seqs`` prompts) and a decode step, then forget their cached
+        prefixes. Kernels compile and tune for the shapes of a full prefill here, at
+        start-up, rather than inside the first requests."""
+        start = time.perf_counter()
+        config = self.config
+        count = min(config.max_num_seqs, 16)
+        length = max(1, min(config.max_model_len - 2, config.max_num_batched_tokens // count))
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        for j in range(count):  # distinct prompts: no prefix-cache hit shrinks the step
+            prompt = [(j * length + i) % self.vocab_size for i in range(length)]
+            self.add_request(prompt, params, request_id=f"qllm-warm-up-{j}")
+        while self.has_unfinished():
+            self.step()
+        self.cache.reset_prefix_cache()
+        self.scheduler.num_preemptions = 0
+        logger.info("warm-up: %d prompts of %d tokens in %.1f s", count, length,
+                    time.perf_counter() - start)
 
     # ----------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -1,0 +1,33 @@
+"""The start-up warm-up: one full-size prefill step of dummy prompts, then nothing left
+behind (cache, prefix hashes, requests, counters) and unchanged outputs."""
+
+from __future__ import annotations
+
+from helpers import assert_cache_free, random_prompts
+from qllm import LLM, SamplingParams
+
+
+def test_warm_up_fills_one_prefill_step_and_leaves_nothing_behind(qwen3_dir, monkeypatch):
+    engine_options = dict(block_size=16, max_model_len=256, max_num_batched_tokens=512)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = random_prompts([10, 40, 100])
+    expected = LLM(qwen3_dir, **engine_options).generate(prompts, params, use_tqdm=False)
+
+    llm = LLM(qwen3_dir, **engine_options)
+    engine = llm.engine
+    launched = []
+    launch = engine.runner.launch
+
+    def recording_launch(batch, previous=None):
+        launched.append((batch.is_prefill, sum(batch.num_tokens)))
+        return launch(batch, previous)
+
+    monkeypatch.setattr(engine.runner, "launch", recording_launch)
+    engine.warm_up()
+    assert launched[0] == (True, 512), "the first warm-up step should be a full prefill"
+    assert any(not is_prefill for is_prefill, _ in launched), "and a decode step should run"
+    assert_cache_free(llm)
+    assert not engine.cache.pools["paged_kv"].manager.cached, "warm-up prefixes must go"
+    assert not engine.sequences and engine.scheduler.num_preemptions == 0
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [g["token_ids"] for g in got] == [e["token_ids"] for e in expected]
