@@ -45,7 +45,7 @@ for stage in "$@"; do
                  run bench_gdn 100 python3 benchmarks/bench_gdn.py ;;
         w1) run w1 240 python3 benchmarks/throughput.py --workload w1 ;;
         w1-peer) run w1_peer 200 python3 benchmarks/throughput.py --workload w1 \
-                     --engine transformers --peer-prompts 64 ;;
+                     --engine transformers --peer-prompts 64 --peer-max-tokens 256 ;;
         w2) run w2 300 python3 benchmarks/throughput.py --workload w2 --max-num-seqs 200 \
                 --max-model-len 3072 ;;
         w2-peer) run w2_peer 200 python3 benchmarks/throughput.py --workload w2 \
