@@ -5,7 +5,7 @@ decode at batch 1/16/64/256 and a 4096-token prefill, routed like the model's ro
 of a softmax over random logits). Times are medians of ``triton.testing.do_bench`` (L2 flushed
 between calls). Decode runs in CUDA graphs in the engine, so its ``ms`` is a graph replay
 (``eager_ms``: plain calls, CPU launch cost included); prefill runs eagerly. ``align_ms`` is
-the slot sort alone. GB/s counts the bytes a call must move at least (the weights of every
+the torch slot sort alone, ``tr_align`` the one-program Triton sort where it applies. GB/s counts the bytes a call must move at least (the weights of every
 expert hit, read once, plus x and the output) against the H200's ~4.3 TB/s; TFLOP/s counts
 the three matmuls per routed slot. ``torch`` is the plain-torch reference (host-syncs, so
 eager only); ``max_err`` is the largest difference from it. Prints a table, then one JSON
@@ -36,7 +36,7 @@ from qllm_kernels_moe import ops
 from qllm_kernels_moe.align import moe_align
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, config_path, get_config, load_table
 from qllm_kernels_moe.testing import MoeInputs, moe_inputs
-from qllm_kernels_moe.triton_align import MAX_SLOTS, moe_align_triton
+from qllm_kernels_moe.triton_align import MAX_SLOTS, PREFERRED_UP_TO, moe_align_triton
 from qllm_kernels_moe.triton_moe import down, fused_moe_triton, gate_up
 from qllm_qwen3_5.moe import fused_moe as torch_fused_moe
 
@@ -83,15 +83,19 @@ def measure(name: str, tokens: int, impls: list[str]) -> list[dict]:
         out = fn(*inputs)
         eager_ms = time_ms(lambda: fn(*inputs), graph=False)
         ms = eager_ms
-        align_ms = None
+        align_ms = triton_align_ms = None
         if impl == "triton":
             ms = time_ms(lambda: fn(*inputs), graph=True) if graph else eager_ms
             block_m = get_config(tokens, EXPERTS, 2 * INTER, HIDDEN, TOP_K).BLOCK_M
             align_ms = round(time_ms(lambda: moe_align(inputs.topk_ids, EXPERTS, block_m),
                                      graph), 4)
+            if inputs.topk_ids.numel() <= MAX_SLOTS:
+                triton_align_ms = round(time_ms(
+                    lambda: moe_align_triton(inputs.topk_ids, EXPERTS, block_m), graph), 4)
         gbps = nbytes / ms / 1e6
         rows.append(dict(case=name, impl=impl, tokens=tokens, ms=round(ms, 4),
-                         eager_ms=round(eager_ms, 4), align_ms=align_ms, gbps=round(gbps, 1),
+                         eager_ms=round(eager_ms, 4), align_ms=align_ms,
+                         triton_align_ms=triton_align_ms, gbps=round(gbps, 1),
                          pct_peak_bw=round(100 * gbps / PEAK_GBPS, 1),
                          tflops=round(flops / ms / 1e9, 1),
                          max_err=round((out.float() - reference.float()).abs().max().item(),
@@ -100,15 +104,16 @@ def measure(name: str, tokens: int, impls: list[str]) -> list[dict]:
 
 
 def print_rows(rows: list[dict]) -> None:
-    header = (f"{'case':<16}{'impl':<8}{'ms':>9}{'eager_ms':>10}{'align_ms':>10}{'GB/s':>9}"
-              f"{'%peak':>7}{'TFLOP/s':>9}{'max_err':>9}")
+    header = (f"{'case':<16}{'impl':<8}{'ms':>9}{'eager_ms':>10}{'align_ms':>10}"
+              f"{'tr_align':>10}{'GB/s':>9}{'%peak':>7}{'TFLOP/s':>9}{'max_err':>9}")
     print(header)
     print("-" * len(header))
     for r in rows:
-        align = "" if r["align_ms"] is None else f"{r['align_ms']:.4f}"
+        align, triton_align = ("" if r[key] is None else f"{r[key]:.4f}"
+                               for key in ("align_ms", "triton_align_ms"))
         print(f"{r['case']:<16}{r['impl']:<8}{r['ms']:>9.4f}{r['eager_ms']:>10.4f}{align:>10}"
-              f"{r['gbps']:>9.1f}{r['pct_peak_bw']:>7.1f}{r['tflops']:>9.1f}"
-              f"{r['max_err']:>9.4f}")
+              f"{triton_align:>10}{r['gbps']:>9.1f}{r['pct_peak_bw']:>7.1f}"
+              f"{r['tflops']:>9.1f}{r['max_err']:>9.4f}")
     for r in rows:
         print(json.dumps(r))
 
@@ -159,7 +164,7 @@ def tune_tokens(tokens: int, grid: dict) -> tuple[MoeConfig, float]:
         if block_m > 16 and block_m > 2 * slots_per_expert:
             continue
         many = slots_per_expert > block_m
-        align = moe_align_triton if topk_ids.numel() <= MAX_SLOTS else moe_align
+        align = moe_align_triton if topk_ids.numel() <= PREFERRED_UP_TO else moe_align
         sorted_slots = align(topk_ids, EXPERTS, block_m)
         align_ms = time_ms(lambda: align(topk_ids, EXPERTS, block_m), graph)
         up_ms, up = best_gemm(

@@ -18,6 +18,10 @@ import triton.language as tl
 from qllm_kernels_moe.align import SortedSlots, max_padded_slots
 
 MAX_SLOTS = 4096
+# The fused op takes this kernel up to here (decode batches of up to 128 tokens at top-8),
+# where one launch replaces ~12. Beyond it the sequential walk over chunks may lose to the
+# torch sort's parallel kernels: not measured yet (bench_moe.py's ``tr_align`` column).
+PREFERRED_UP_TO = 1024
 CHUNK = 64
 
 
