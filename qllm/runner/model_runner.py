@@ -32,6 +32,7 @@ class SampledStep:
     device_tokens: torch.Tensor   # [N] int64
     host_tokens: torch.Tensor     # [N] int64, pinned on CUDA, filled asynchronously
     copied: torch.cuda.Event | None
+    rows: dict[int, int] = dataclasses.field(init=False)  # seq_id -> row of device_tokens
 
     def __post_init__(self):
         self.rows = {seq.seq_id: row for row, seq in enumerate(self.seqs)}
