@@ -22,13 +22,15 @@ from qllm.runner.batch import ForwardBatch
 from qllm_qwen3_5.attention import GatedAttention
 from qllm_qwen3_5.config import Variant, is_sparse_layer, validate, variant_of
 from qllm_qwen3_5.deltanet import GatedDeltaNet
-from qllm_qwen3_5.moe import DenseMLP, SparseMoeBlock
+from qllm_qwen3_5.moe import INPUT_PROJ_SHARDS, DenseMLP, SparseMoeBlock
 
 # Checkpoint tensors the text model does not use: the multi-token-prediction head and the
 # vision tower of the multimodal checkpoints.
 UNUSED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
 MULTIMODAL_PREFIX = "model.language_model."
 PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+MOE_INPUT = re.compile(r"^(.*\.mlp)\.(" + "|".join(re.escape(m) for m in INPUT_PROJ_SHARDS)
+                       + r")\.weight$")
 FUSED_EXPERTS = re.compile(r"^.*\.mlp\.experts\.(gate_up|down)_proj$")
 
 
@@ -115,6 +117,10 @@ class Qwen3_5ForCausalLM(CausalLM):
             return f"{experts}.{stacked}.weight", f"{part}:{index}"
         if FUSED_EXPERTS.match(name):
             return name + ".weight"
+        match = MOE_INPUT.match(name)
+        if match:  # the router and shared expert's input rows -> one packed matmul
+            mlp, module = match.groups()
+            return f"{mlp}.input_proj.weight", INPUT_PROJ_SHARDS[module]
         return name
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -1,5 +1,6 @@
 """Sparse MoE block (``mlp.*``): fp32 softmax router, top-k, renormalise, SwiGLU experts,
-plus a shared expert scaled by ``sigmoid(shared_expert_gate(x))``.
+plus a shared expert scaled by ``sigmoid(shared_expert_gate(x))``. The router, the shared
+expert's gate and its gate/up projections all read ``x``: one packed matmul serves them.
 
 The routed experts run through the ``fused_moe`` op so GPU plugins can replace it;
 ``fused_moe`` below is the plain-torch reference, registered by this plugin.
@@ -103,24 +104,23 @@ class Experts(nn.Module):
 
 
 class Router(nn.Module):
-    """``softmax(x W^T)`` in fp32, top-k, optionally renormalised. Parameter ``gate.weight``."""
+    """Router logits -> ``softmax`` in fp32, top-k, optionally renormalised."""
 
-    def __init__(self, num_experts: int, hidden_size: int, top_k: int, renormalize: bool):
+    def __init__(self, top_k: int, renormalize: bool):
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [T, H]`` -> ``(weights [T, k] in x.dtype, expert ids [T, k])``."""
-        probs = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32)  # [T, E]
+    def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logits [T, E]`` -> ``(weights [T, k] in logits.dtype, expert ids [T, k])``."""
+        probs = logits.softmax(dim=-1, dtype=torch.float32)  # [T, E]
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        return weights.to(logits.dtype), ids
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU MLP (dense layers and the shared expert); ``gate_proj``/``up_proj`` fused."""
+    """SwiGLU MLP (the dense layers); ``gate_proj``/``up_proj`` fused."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -132,19 +132,36 @@ class DenseMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
+# Shards of ``SparseMoeBlock.input_proj``, keyed by the HF module that holds each one.
+INPUT_PROJ_SHARDS = {"gate": "router", "shared_expert_gate": "shared_expert_gate",
+                     "shared_expert.gate_proj": "shared_gate",
+                     "shared_expert.up_proj": "shared_up"}
+
+
 class SparseMoeBlock(nn.Module):
+    """Routed experts plus a gated shared expert. ``input_proj`` packs the rows of HF's
+    ``gate`` (router), ``shared_expert_gate`` and ``shared_expert.{gate,up}_proj``
+    (``INPUT_PROJ_SHARDS``); ``shared_expert.down_proj`` keeps its name."""
+
     def __init__(self, config, kernels: Kernels, renormalize: bool):
         super().__init__()
-        self.gate = Router(config.num_experts, config.hidden_size, config.num_experts_per_tok,
-                           renormalize)
+        shared = config.shared_expert_intermediate_size
+        self.input_proj = PackedLinear(config.hidden_size, {
+            "router": config.num_experts, "shared_expert_gate": 1, "shared_gate": shared,
+            "shared_up": shared})
+        self.router = Router(config.num_experts_per_tok, renormalize)
         self.experts = Experts(config.num_experts, config.hidden_size,
                                config.moe_intermediate_size, kernels)
-        self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        self.shared_expert = nn.ModuleDict(
+            {"down_proj": nn.Linear(shared, config.hidden_size, bias=False)})
+        self.num_experts = config.num_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``."""
-        weights, ids = self.gate(x)  # [T, k] each
+        projected = self.input_proj(x)  # [T, E + 1 + 2 I_shared]
+        router_logits, shared_gate, shared_gate_up = projected.split(
+            [self.num_experts, 1, projected.shape[-1] - self.num_experts - 1], dim=-1)
+        weights, ids = self.router(router_logits)  # [T, k] each
         routed = self.experts(x, weights, ids)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return routed + shared
+        shared = self.shared_expert["down_proj"](silu_and_mul(shared_gate_up))
+        return routed + torch.sigmoid(shared_gate) * shared
