@@ -3,11 +3,11 @@
 - CUDA (skipped without a GPU): bf16 parity for T in {1, 7, 64, 256, 2048} at the
   Qwen3.5-35B-A3B shape and two smaller ones, skewed routing, every entry of the shipped
   block-size table, forced configs, fp16, CUDA-graph replay, compiled decode, ``opcheck``, the
-  Triton sort against ``moe_align``.
+  Triton sort against ``moe_align`` and the Triton router against ``moe_router``.
 - CPU: the sort (``moe_align``) against a naive layout, the config tables, the custom op's
   fake path under ``torch.compile(fullgraph=True)``, the plugin's registration, and, under the
-  Triton interpreter, the one-program Triton sort against ``moe_align`` and parity at tiny
-  shapes. The interpreter must be switched on before Triton is
+  Triton interpreter, the one-program Triton sort against ``moe_align``, the router against
+  ``moe_router`` and parity at tiny shapes. The interpreter must be switched on before Triton is
   imported, so ``test_triton_interpreter`` reruns this file's ``interpreted`` tests in a
   subprocess with ``TRITON_INTERPRET=1``.
 """
@@ -82,8 +82,38 @@ def check_parity(inputs: MoeInputs, config: MoeConfig | None = None) -> None:
 
 
 def opcheck_op(device: str, dtype: torch.dtype) -> None:
-    """``torch.library.opcheck`` (schema, fake tensor, AOT dispatch) on the custom op."""
+    """``torch.library.opcheck`` (schema, fake tensor, AOT dispatch) on the custom ops."""
     torch.library.opcheck(ops.fused_moe, tuple(moe_inputs(9, 8, 32, 16, 2, dtype, device)))
+    torch.library.opcheck(ops.moe_router, (router_logits(9, 16, dtype, device), 4, True))
+
+
+# name -> (tokens, experts, top_k, renormalize)
+ROUTER_CASES = {"t1-e256-k8": (1, 256, 8, True), "t7-e8-k2-raw": (7, 8, 2, False),
+                "t33-e6-k2": (33, 6, 2, True), "t5-e60-k4": (5, 60, 4, True),
+                "t0-e16-k4": (0, 16, 4, True), "t300-e256-k8": (300, 256, 8, True)}
+router_cases = pytest.mark.parametrize("tokens,experts,top_k,renormalize",
+                                       ROUTER_CASES.values(), ids=ROUTER_CASES.keys())
+
+
+def router_logits(tokens: int, experts: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Router logits, distinct within each row (a tie would let either expert win): a random
+    permutation of multiples of 1/16, exact in fp16 and bf16 up to 256 experts."""
+    generator = torch.Generator().manual_seed(tokens * 1000 + experts)
+    rows = [torch.randperm(experts, generator=generator) for _ in range(tokens)]
+    logits = torch.stack(rows) if rows else torch.empty(0, experts, dtype=torch.long)
+    return (logits.float() / 16).to(dtype).to(device)
+
+
+def check_router(tokens, experts, top_k, renormalize, dtype, device) -> None:
+    """The Triton router against the plain-torch ``moe_router``: same experts, same order,
+    weights within rounding."""
+    logits = router_logits(tokens, experts, dtype, device)
+    weights, ids = ops.moe_router(logits, top_k, renormalize)
+    expected_weights, expected_ids = reference.moe_router(logits, top_k, renormalize)
+    assert torch.equal(ids, expected_ids)
+    assert weights.dtype == dtype
+    torch.testing.assert_close(weights.float(), expected_weights.float(),
+                               atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -232,6 +262,13 @@ def test_triton_align_refuses_prefill_sizes():
         moe_align_triton(torch.zeros(MAX_SLOTS // 8 + 1, 8, dtype=torch.int64), 256, 16)
 
 
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@router_cases
+def test_router(tokens, experts, top_k, renormalize, dtype):
+    check_router(tokens, experts, top_k, renormalize, dtype, "cuda")
+
+
 def test_max_padded_slots_is_reached():
     """The bound is tight: 5 slots over 4 experts, one expert twice, blocks of 4 -> 16."""
     topk_ids = torch.tensor([[0], [0], [1], [2], [3]])
@@ -277,16 +314,35 @@ def test_compile_fullgraph_on_fake_path():
     assert called_ops(graph) == [torch.ops.qllm_moe.fused_moe.default]
 
 
+def test_router_compiles_fullgraph_on_fake_path():
+    def route(logits):
+        weights, ids = ops.moe_router(logits, 4, True)
+        return weights * 2, ids
+
+    def run(backend):
+        compiled = torch.compile(route, fullgraph=True, dynamic=True, backend=backend)
+        for tokens in (3, 5):
+            weights, ids = compiled(torch.empty(tokens, 16, dtype=torch.bfloat16,
+                                                device="meta"))
+            assert weights.shape == ids.shape == (tokens, 4)
+            assert weights.dtype == torch.bfloat16 and ids.dtype == torch.int64
+
+    (graph,) = graphs_traced_by(run)
+    assert torch.ops.qllm_moe.moe_router.default in called_ops(graph)
+
+
 def test_plugin_registration():
     from qllm_qwen3_5 import plugin as qwen3_5_plugin
 
     registry = PluginRegistry(extra_plugins=[plugin, qwen3_5_plugin], load_entry_points=False)
     kernels = registry.kernels(torch.device("cuda"), torch.bfloat16)
-    assert kernels.names()["fused_moe"] == ("triton" if HAS_TRITON else "torch")
+    for op in ("fused_moe", "moe_router"):
+        assert kernels.names()[op] == ("triton" if HAS_TRITON else "torch")
     if HAS_TRITON:
-        assert kernels.fused_moe is ops.fused_moe
+        assert kernels.fused_moe is ops.fused_moe and kernels.moe_router is ops.moe_router
     for device, dtype in (("cpu", torch.bfloat16), ("cuda", torch.float32)):
-        assert registry.kernels(torch.device(device), dtype).names()["fused_moe"] == "torch"
+        names = registry.kernels(torch.device(device), dtype).names()
+        assert names["fused_moe"] == names["moe_router"] == "torch"
 
 
 @interpreter_driver
@@ -310,6 +366,13 @@ def test_interpreted_parity(case, config, dtype):
 @align_cases
 def test_interpreted_triton_align(tokens, experts, top_k, skew, block_m):
     check_triton_align(tokens, experts, top_k, skew, block_m, "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@router_cases
+def test_interpreted_router(tokens, experts, top_k, renormalize, dtype):
+    check_router(tokens, experts, top_k, renormalize, dtype, "cpu")
 
 
 @interpreted

@@ -1,4 +1,5 @@
-"""The Triton fused MoE as a ``torch.library`` custom op, ``qllm_moe::fused_moe``.
+"""The Triton fused MoE and router as ``torch.library`` custom ops, ``qllm_moe::fused_moe`` and
+``qllm_moe::moe_router``.
 
 A custom op is opaque to ``torch.compile``: its fake implementation gives the output's shape,
 so a ``fullgraph=True`` decode graph (with a symbolic batch size) stays whole and calls the
@@ -26,3 +27,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 @fused_moe.register_fake
 def _fused_moe_fake(x, w13, w2, topk_weights, topk_ids):
     return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("qllm_moe::moe_router", mutates_args=())
+def moe_router(logits: torch.Tensor, top_k: int,
+               renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in fp32, top-k, optional renormalisation: ``logits [T, E]`` -> ``(weights
+    [T, k] in logits.dtype, ids [T, k] int64)``; the contract of qllm's ``moe_router`` op
+    (plain-torch reference in ``qllm_qwen3_5.moe``)."""
+    from qllm_kernels_moe.triton_router import moe_router_triton
+
+    return moe_router_triton(logits, top_k, renormalize)
+
+
+@moe_router.register_fake
+def _moe_router_fake(logits, top_k, renormalize):
+    tokens = logits.shape[0]
+    return (logits.new_empty(tokens, top_k),
+            logits.new_empty(tokens, top_k, dtype=torch.int64))

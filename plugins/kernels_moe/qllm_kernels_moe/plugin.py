@@ -1,7 +1,8 @@
-"""qllm plugin entry point: registers the Triton ``fused_moe`` through ``qllm_kernels``.
+"""qllm plugin entry point: registers the Triton ``fused_moe`` and ``moe_router`` through
+``qllm_kernels``.
 
-``triton`` (priority 10, above the plain-torch reference's 0) serves the ``fused_moe`` op on
-CUDA in fp16/bf16 when Triton is importable.
+``triton`` (priority 10, above the plain-torch references' 0) serves both ops on CUDA in
+fp16/bf16 when Triton is importable.
 """
 
 from __future__ import annotations
@@ -26,4 +27,6 @@ def cuda_half_available(device: torch.device, dtype: torch.dtype) -> bool:
 @hookimpl
 def qllm_kernels():
     return [KernelSpec(op="fused_moe", name="triton", fn=ops.fused_moe, priority=10,
+                       is_available=cuda_half_available),
+            KernelSpec(op="moe_router", name="triton", fn=ops.moe_router, priority=10,
                        is_available=cuda_half_available)]

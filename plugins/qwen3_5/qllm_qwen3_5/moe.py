@@ -2,8 +2,9 @@
 plus a shared expert scaled by ``sigmoid(shared_expert_gate(x))``. The router, the shared
 expert's gate and its gate/up projections all read ``x``: one packed matmul serves them.
 
-The routed experts run through the ``fused_moe`` op so GPU plugins can replace it;
-``fused_moe`` below is the plain-torch reference, registered by this plugin.
+The router's tail and the routed experts run through the ``moe_router`` and ``fused_moe`` ops
+so GPU plugins can replace them; the plain-torch references below are registered by this
+plugin.
 """
 
 from __future__ import annotations
@@ -103,20 +104,29 @@ class Experts(nn.Module):
                                topk_weights, topk_ids)
 
 
-class Router(nn.Module):
-    """Router logits -> ``softmax`` in fp32, top-k, optionally renormalised."""
+def moe_router(logits: torch.Tensor, top_k: int,
+               renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``moe_router`` op: ``logits [T, E]`` -> softmax in fp32, the ``top_k`` largest
+    (descending), optionally renormalised -> ``(weights [T, k] in logits.dtype, expert ids
+    [T, k] int64)``. Plain-torch reference; GPU plugins may replace it."""
+    probs = logits.softmax(dim=-1, dtype=torch.float32)  # [T, E]
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
 
-    def __init__(self, top_k: int, renormalize: bool):
+
+class Router(nn.Module):
+    """Router logits -> routing weights and expert ids through the ``moe_router`` op."""
+
+    def __init__(self, top_k: int, renormalize: bool, kernels: Kernels):
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
+        self._route = kernels.moe_router
 
     def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``logits [T, E]`` -> ``(weights [T, k] in logits.dtype, expert ids [T, k])``."""
-        probs = logits.softmax(dim=-1, dtype=torch.float32)  # [T, E]
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(logits.dtype), ids
+        return self._route(logits, self.top_k, self.renormalize)
 
 
 class DenseMLP(nn.Module):
@@ -149,7 +159,7 @@ class SparseMoeBlock(nn.Module):
         self.input_proj = PackedLinear(config.hidden_size, {
             "router": config.num_experts, "shared_expert_gate": 1, "shared_gate": shared,
             "shared_up": shared})
-        self.router = Router(config.num_experts_per_tok, renormalize)
+        self.router = Router(config.num_experts_per_tok, renormalize, kernels)
         self.experts = Experts(config.num_experts, config.hidden_size,
                                config.moe_intermediate_size, kernels)
         self.shared_expert = nn.ModuleDict(

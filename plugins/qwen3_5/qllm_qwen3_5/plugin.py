@@ -1,5 +1,5 @@
 """Registers the hybrid Qwen3.5 / Qwen3.5-MoE / Qwen3-Next architectures with qllm, and the
-plain-torch ``fused_moe`` reference kernel their MoE layers call."""
+plain-torch ``moe_router`` and ``fused_moe`` reference kernels their MoE layers call."""
 
 from qllm.hookspecs import hookimpl
 from qllm.specs import KernelSpec, ModelSpec
@@ -30,6 +30,7 @@ def qllm_models():
 
 @hookimpl
 def qllm_kernels():
-    from qllm_qwen3_5.moe import fused_moe
+    from qllm_qwen3_5.moe import fused_moe, moe_router
 
-    return [KernelSpec(op="fused_moe", name="torch", fn=fused_moe)]
+    return [KernelSpec(op="fused_moe", name="torch", fn=fused_moe),
+            KernelSpec(op="moe_router", name="torch", fn=moe_router)]
