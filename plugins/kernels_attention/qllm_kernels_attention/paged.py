@@ -1,5 +1,5 @@
-"""Triton helpers shared by the decode and prefill kernels: paged K/V addressing and one step
-of the online softmax.
+"""Helpers shared by the decode and prefill kernels: the input check, and in Triton paged K/V
+addressing and one step of the online softmax.
 
 Cache layout (``qllm.ops.attention``): ``[num_blocks + 1, PAGE, kv_heads, head_dim]``; token
 ``p`` of a sequence sits in page ``block_table[p // PAGE]`` at row ``p % PAGE``. K and V caches
@@ -8,8 +8,20 @@ share their strides. Softmax runs in base 2: scores are pre-multiplied by ``scal
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+
+def checked_query(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """``q [..., Hq, D]`` with unit last stride, once the kernels can serve these inputs: ``Hq``
+    a multiple of the caches' kv heads, K and V caches with the same strides and a unit last
+    stride. Raises ``ValueError`` otherwise."""
+    q_heads, kv_heads = q.shape[-2], k_cache.shape[2]
+    if q_heads % kv_heads or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError(f"unsupported shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}"
+                         f" strides {k_cache.stride()} / {v_cache.stride()}")
+    return q if q.stride(-1) == 1 else q.contiguous()
 
 
 @triton.jit

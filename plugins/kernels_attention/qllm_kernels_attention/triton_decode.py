@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm_kernels_attention.paged import attend_tile, kv_offsets
+from qllm_kernels_attention.paged import attend_tile, checked_query, kv_offsets
 
 MAX_SPLITS = 64
 CTAS_PER_SM = 2  # stage-1 programs to aim for per SM when choosing the split count
@@ -140,10 +140,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     D]``. ``num_splits`` overrides the automatic split count (tests). Returns ``[B, Hq, D]``."""
     batch, q_heads, head_dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
-    if q_heads % kv_heads or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError(f"unsupported shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}"
-                         f" strides {k_cache.stride()} / {v_cache.stride()}")
-    q = q if q.stride(-1) == 1 else q.contiguous()
+    q = checked_query(q, k_cache, v_cache)
     group = q_heads // kv_heads
     if num_splits is None:
         num_splits = choose_num_splits(batch, kv_heads, block_tables.shape[1] * page, head_dim,

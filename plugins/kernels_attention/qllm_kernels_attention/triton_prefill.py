@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm_kernels_attention.paged import attend_tile, kv_offsets
+from qllm_kernels_attention.paged import attend_tile, checked_query, kv_offsets
 
 
 @triton.jit
@@ -100,10 +100,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     Returns ``[T, Hq, D]``."""
     tokens, q_heads, head_dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
-    if q_heads % kv_heads or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError(f"unsupported shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}"
-                         f" strides {k_cache.stride()} / {v_cache.stride()}")
-    q = q if q.stride(-1) == 1 else q.contiguous()
+    q = checked_query(q, k_cache, v_cache)
     out = q.new_empty(tokens, q_heads, head_dim)
     config = _config(head_dim)
     grid = (triton.cdiv(max_query_len, config["BLOCK_M"]), q_heads, seq_lens.shape[0])
