@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from qllm.cache.registry import CacheRegistry
 from qllm.config import EngineConfig
 from qllm.engine.sequence import Sequence, SequenceStatus
+from qllm.engine.stop import reaches_length_limit
 
 
 @dataclass
@@ -99,9 +100,8 @@ class Scheduler:
     def _finishes_by_length(self, seq: Sequence) -> bool:
         """Whether ``seq`` stops on ``max_tokens`` or ``max_model_len`` once its pending
         tokens land, so another step for it would be wasted."""
-        return bool(seq.num_pending_tokens) and (
-            seq.num_output_tokens + seq.num_pending_tokens >= seq.sampling_params.max_tokens
-            or len(seq) >= self.max_model_len)
+        return bool(seq.num_pending_tokens) and reaches_length_limit(
+            seq, self.max_model_len, seq.num_pending_tokens)
 
     def _reserve_or_preempt(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Reserve room for ``seq``, preempting the latest-admitted running sequences while

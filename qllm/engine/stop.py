@@ -25,6 +25,13 @@ def check_stop(seq: Sequence, eos_token_ids: set[int], max_model_len: int) -> st
         if hits:
             seq.output_text = seq.output_text[:min(hits)]
             return "stop"
-    if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= max_model_len:
+    if reaches_length_limit(seq, max_model_len):
         return "length"
     return None
+
+
+def reaches_length_limit(seq: Sequence, max_model_len: int, num_pending: int = 0) -> bool:
+    """Whether ``seq`` is at its ``max_tokens`` or at ``max_model_len`` once ``num_pending``
+    more tokens are appended."""
+    return (seq.num_output_tokens + num_pending >= seq.sampling_params.max_tokens
+            or len(seq.token_ids) + num_pending >= max_model_len)
