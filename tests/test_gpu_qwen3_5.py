@@ -5,13 +5,11 @@ eager. Tiny hybrid models in fp32: compiled decode token for token."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from helpers import (assert_cache_free, assert_greedy_equal_up_to_ties, assert_same_tokens,
-                     prefill_logits, random_prompts)
+from helpers import (assert_cache_free, assert_same_tokens, decode_logits, prefill_logits,
+                     random_prompts)
 from qllm import LLM, SamplingParams
 
 pytestmark = [pytest.mark.cuda,
@@ -32,43 +30,46 @@ def checkpoint(tmp_path_factory):
     return str(path), model
 
 
-# Kernel pins for the logits test: the installed plugins, then the plain-torch kernels of the
-# ops a prefill runs, so a miss says which kernel carries the error.
+# Kernel pins for the logits test: the installed plugins, then one op at a time on another
+# kernel, so a miss says which kernel carries the error.
 PINS = {
     "plugins": {},
-    "torch-moe": {"fused_moe": "torch"},
+    "triton-gdn-prefill": {"gdn_prefill": "triton"},
     "torch-gdn": {"gdn_prefill": "torch", "causal_conv1d_prefill": "torch"},
+    "torch-moe": {"fused_moe": "torch"},
     "torch-attention": {"paged_attention_prefill": "torch"},
 }
+PROMPT_LENGTHS = [7, 100, 300, 1000]
 
 
 @pytest.fixture(scope="module")
 def reference_logits(checkpoint):
-    """``[(prompt, transformers bf16 logits, transformers fp32 logits)]`` of the last token."""
-    _, hf_model = checkpoint
-    hf_fp32 = copy.deepcopy(hf_model).float()
+    """``[(prompt, transformers bf16 logits, exact fp32 logits)]`` of the last token. The
+    exact reference is transformers in fp32 on its plain-torch GDN path
+    (``exact_reference_logits``); transformers in bf16 runs as installed (fla's kernels)."""
+    path, hf_model = checkpoint
+    prompts = random_prompts(PROMPT_LENGTHS, vocab_size=VOCAB)
+    exact = qwen3_5_testing.exact_reference_logits(path, prompts)
     out = []
-    for prompt in random_prompts([7, 100, 300, 1000], vocab_size=VOCAB):
+    for prompt, reference in zip(prompts, exact):
         with torch.no_grad():
-            ids = torch.tensor([prompt], device="cuda")
-            out.append((prompt, hf_model(ids).logits[0, -1], hf_fp32(ids).logits[0, -1]))
+            hf_bf16 = hf_model(torch.tensor([prompt], device="cuda")).logits[0, -1]
+        out.append((prompt, hf_bf16, reference.cuda()))
     return out
 
 
 @pytest.mark.parametrize("pins", PINS.values(), ids=PINS.keys())
 def test_bf16_last_token_logits_match_transformers(checkpoint, reference_logits, pins):
-    """qllm in bf16 against transformers in fp32 on the same weights: cosine >= 0.999 and the
-    same argmax. transformers in bf16 is reported beside it but is not the oracle: at this
-    geometry its own bf16 error is of the order of the tolerance (2026-11-29, router
-    perturbed: transformers-bf16 vs fp32 cosine 0.9938-0.9992)."""
+    """qllm in bf16 against transformers in exact fp32 on the same weights: cosine >= 0.999
+    and the same argmax. transformers in bf16 is reported beside it but is not the oracle."""
     path, _ = checkpoint
     llm = LLM(path, enforce_eager=True, kernels=pins, **ENGINE)
     report, failures = [], []
     for prompt, hf_bf16, exact in reference_logits:
         got = prefill_logits(llm, prompt)[-1]
         cosine = _cosine(got, exact)
-        report.append(f"{len(prompt)} tokens: qllm-bf16/hf-fp32 {cosine:.5f}, "
-                      f"hf-bf16/hf-fp32 {_cosine(hf_bf16, exact):.5f}, "
+        report.append(f"{len(prompt)} tokens: qllm-bf16/exact {cosine:.5f}, "
+                      f"hf-bf16/exact {_cosine(hf_bf16, exact):.5f}, "
                       f"qllm-bf16/hf-bf16 {_cosine(got, hf_bf16):.5f}")
         if cosine < 0.999 or got.argmax() != exact.argmax():
             failures.append(report[-1])
@@ -81,18 +82,33 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=0).item()
 
 
-def test_bf16_compiled_decode_equals_eager(checkpoint):
-    """CUDA-graph decode with the kernel plugins equals eager decode, 16 prompts x 32 greedy
-    tokens, up to bf16 near-ties."""
+def test_bf16_compiled_decode_logits_match_eager(checkpoint):
+    """CUDA-graph decode with the kernel plugins against eager decode, teacher-forced on the
+    eager engine's greedy tokens (16 prompts x 24 steps), so both see the same inputs at every
+    step: logits cosine >= 0.999 per row, and the same argmax unless the eager top two are
+    within 0.1 std. Free-running greedy outputs are no check here: at this geometry a bf16
+    rounding difference flips an expert choice now and then, and the continuations drift
+    apart after the first near-tie."""
     path, _ = checkpoint
     prompts = random_prompts([5 + 53 * i for i in range(16)], vocab_size=VOCAB)
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     eager = LLM(path, enforce_eager=True, **ENGINE)
-    expected = eager.generate(prompts, params, use_tqdm=False)
+    greedy = eager.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
+                                                    ignore_eos=True), use_tqdm=False)
+    forced = [out["token_ids"] for out in greedy]
+    expected = decode_logits(eager, prompts, forced)  # [steps, B, V]
     compiled = LLM(path, **ENGINE)
     assert compiled.engine.runner.graphs is not None
-    got = compiled.generate(prompts, params, use_tqdm=False)
-    assert_greedy_equal_up_to_ties(eager, prompts, got, expected)
+    got = decode_logits(compiled, prompts, forced)
+    cosine = torch.nn.functional.cosine_similarity(got, expected, dim=-1)  # [steps, B]
+    top2 = expected.topk(2, dim=-1).values
+    decisive = (top2[..., 0] - top2[..., 1]) > 0.1 * expected.std(dim=-1)
+    mismatched = (got.argmax(-1) != expected.argmax(-1)) & decisive
+    print(f"compiled vs eager decode logits: cosine min {cosine.min():.5f}, "
+          f"mean {cosine.mean():.5f}; argmax differs at {int(mismatched.sum())} decisive and "
+          f"{int(((got.argmax(-1) != expected.argmax(-1)) & ~decisive).sum())} near-tie "
+          f"rows of {cosine.numel()}")
+    assert cosine.min() >= 0.999
+    assert not mismatched.any()
     assert_cache_free(compiled)
 
 

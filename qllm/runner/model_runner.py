@@ -155,26 +155,32 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def launch(self, scheduled: ScheduledBatch,
-               previous: SampledStep | None = None) -> SampledStep:
-        """Queue one step on the device and return its sampled tokens without waiting for
-        them. ``previous`` is the step launched before, whose tokens may still be pending.
-        Tokens are sampled for the sequences whose every position is then computed (all of a
-        decode step; in prefill, those whose prompt is now fully computed)."""
+    def step_logits(self, scheduled: ScheduledBatch,
+                    previous: SampledStep | None = None) -> torch.Tensor:
+        """Queue the forward pass of one step: logits ``[N, V]`` of the sequences whose every
+        position is then computed. Decode replays the CUDA graph of its batch-size bucket
+        where one exists; prefill runs eagerly."""
         bucket = self.graphs.bucket(len(scheduled)) \
             if self.graphs is not None and not scheduled.is_prefill else None
         if bucket is not None:
             input_ids, positions, batch = self.prepare(scheduled, pad_to=bucket,
                                                        table_width=self.max_blocks_per_seq,
                                                        previous=previous)
-            logits = self.graphs.replay(input_ids, positions, batch)[:len(scheduled)]
-        elif scheduled.is_prefill:
-            input_ids, positions, batch = self.prepare(scheduled, previous=previous)
+            return self.graphs.replay(input_ids, positions, batch)[:len(scheduled)]
+        input_ids, positions, batch = self.prepare(scheduled, previous=previous)
+        if scheduled.is_prefill:
             with torch.compiler.set_stance("force_eager"):  # compiled layers serve decode
-                logits = self._forward_logits(input_ids, positions, batch)
-        else:
-            input_ids, positions, batch = self.prepare(scheduled, previous=previous)
-            logits = self._forward_logits(input_ids, positions, batch)
+                return self._forward_logits(input_ids, positions, batch)
+        return self._forward_logits(input_ids, positions, batch)
+
+    @torch.inference_mode()
+    def launch(self, scheduled: ScheduledBatch,
+               previous: SampledStep | None = None) -> SampledStep:
+        """Queue one step on the device and return its sampled tokens without waiting for
+        them. ``previous`` is the step launched before, whose tokens may still be pending.
+        Tokens are sampled for the sequences whose every position is then computed (all of a
+        decode step; in prefill, those whose prompt is now fully computed)."""
+        logits = self.step_logits(scheduled, previous)
         sampled_seqs = [seq for seq, n in zip(scheduled.seqs, scheduled.num_tokens)
                         if seq.num_computed_tokens + n == len(seq)]
         if sampled_seqs:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
+import sys
+import tempfile
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -116,6 +119,40 @@ def hf_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
     """transformers' logits ``[T, V]`` over one unpadded prompt."""
     with torch.no_grad():
         return model(torch.tensor([prompt])).logits[0]
+
+
+def exact_reference_logits(path: str, prompts: list[list[int]], device: str = "cuda",
+                           ) -> list[torch.Tensor]:
+    """transformers' last-token logits ``[V]`` of each prompt, in fp32 on its plain-torch Gated
+    DeltaNet path. Computed in a child process that blocks ``fla`` and ``causal_conv1d`` before
+    transformers imports them: where they import, transformers runs their Triton kernels, whose
+    fp32 dots round to TF32 and whose chunk states are kept in the input dtype, so they are no
+    fp32 oracle."""
+    with tempfile.TemporaryDirectory() as scratch:
+        prompts_file, logits_file = os.path.join(scratch, "prompts.json"), \
+            os.path.join(scratch, "logits.pt")
+        with open(prompts_file, "w") as f:
+            json.dump(prompts, f)
+        child = (f"import sys; sys.modules['fla'] = sys.modules['causal_conv1d'] = None; "
+                 f"from qllm_qwen3_5.testing import _write_reference_logits; "
+                 f"_write_reference_logits({path!r}, {prompts_file!r}, {logits_file!r}, "
+                 f"{device!r})")
+        subprocess.run([sys.executable, "-c", child], check=True)
+        return torch.load(logits_file)
+
+
+def _write_reference_logits(path: str, prompts_file: str, logits_file: str, device: str):
+    import transformers
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = model.to(device).eval()
+    with open(prompts_file) as f:
+        prompts = json.load(f)
+    with torch.no_grad():
+        logits = [model(torch.tensor([p], device=device)).logits[0, -1].cpu() for p in prompts]
+    torch.save(logits, logits_file)
 
 
 def rewrite_checkpoint(path: str, edit) -> None:
