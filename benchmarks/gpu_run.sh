@@ -63,7 +63,7 @@ for stage in "$@"; do
                         --batch 1 --context 512 --out "$out" ;;
         tune-moe) run tune_moe 420 python3 benchmarks/bench_moe.py --tune --grid quick \
                       --tokens ${TUNE_TOKENS:-1 256}
-                  cp plugins/kernels_moe/qllm_kernels_moe/configs/*.json "$out"/ ;;
+                  cp plugins/kernels_moe/qllm_kernels_moe/configs/*.json "$out"/moe_configs.json ;;
         w3) run w3 150 python3 benchmarks/throughput.py --workload w3 --max-num-seqs 1 \
                 --max-model-len 1024 ;;
         w3-peer) run w3_peer 150 python3 benchmarks/throughput.py --workload w3 \
