@@ -1,5 +1,6 @@
-"""The start-up warm-up: one full-size prefill step of dummy prompts, then nothing left
-behind (cache, prefix hashes, requests, counters) and unchanged outputs."""
+"""The start-up warm-up: one full-size prefill step of dummy prompts, then one prefill step
+per power of two below it; nothing left behind (cache, prefix hashes, requests, counters)
+and unchanged outputs."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def test_warm_up_fills_one_prefill_step_and_leaves_nothing_behind(qwen3_dir, mon
     engine.warm_up()
     assert launched[0] == (True, 512), "the first warm-up step should be a full prefill"
     assert any(not is_prefill for is_prefill, _ in launched), "and a decode step should run"
+    prefill_sizes = [n for is_prefill, n in launched if is_prefill]
+    assert prefill_sizes == [512, 16, 32, 64, 128, 256], "then one prefill per power of two"
     assert_cache_free(llm)
     assert not engine.cache.pools["paged_kv"].manager.cached, "warm-up prefixes must go"
     assert not engine.sequences and engine.scheduler.num_preemptions == 0

@@ -68,23 +68,37 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         """Serve dummy prompts that fill one prefill step (``max_num_batched_tokens`` tokens,
-        up to ``max_num_seqs`` prompts) and a decode step, then forget their cached
-        prefixes. Kernels compile and tune for the shapes of a full prefill here, at
-        start-up, rather than inside the first requests."""
+        up to ``max_num_seqs`` prompts) and decode, then prefill steps of every power of two
+        from 16 tokens up to that size, then forget their cached prefixes. Kernels compile
+        and tune here, at start-up, for the shapes of a full prefill and for the token
+        counts that select their tile configs (the MoE kernels' table is keyed by powers of
+        two), rather than inside the first requests of each size."""
         start = time.perf_counter()
         config = self.config
         count = min(config.max_num_seqs, 16)
-        length = max(1, min(config.max_model_len - 2, config.max_num_batched_tokens // count))
+        longest = max(1, min(config.max_model_len - 2, config.max_num_batched_tokens))
+        length = min(longest, config.max_num_batched_tokens // count)
+        self._serve_dummy([length] * count)
+        ladder = [1 << k for k in range(4, 32) if 1 << k < length * count]
+        for size in ladder:  # prompts of at most `longest` tokens that sum to `size`
+            self._serve_dummy([longest] * (size // longest) + [size % longest] * bool(
+                size % longest))
+        self.scheduler.num_preemptions = 0
+        logger.info("warm-up: %d prompts of %d tokens, then prefill steps of %s tokens, "
+                    "in %.1f s", count, length, ladder, time.perf_counter() - start)
+
+    def _serve_dummy(self, lengths: list[int]) -> None:
+        """Generate two tokens for dummy prompts of ``lengths`` tokens, all admitted at once,
+        with the prefix cache emptied before and after (so no hit shrinks a prefill step,
+        and no dummy prefix outlives the warm-up)."""
+        self.cache.reset_prefix_cache()
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-        for j in range(count):  # distinct prompts: no prefix-cache hit shrinks the step
+        for j, length in enumerate(lengths):
             prompt = [(j * length + i) % self.vocab_size for i in range(length)]
             self.add_request(prompt, params, request_id=f"qllm-warm-up-{j}")
         while self.has_unfinished():
             self.step()
         self.cache.reset_prefix_cache()
-        self.scheduler.num_preemptions = 0
-        logger.info("warm-up: %d prompts of %d tokens in %.1f s", count, length,
-                    time.perf_counter() - start)
 
     # ----------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
