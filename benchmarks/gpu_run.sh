@@ -24,8 +24,9 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/qwen3 \
     -e plugins/qwen3_5 -e plugins/kernels_attention -e plugins/kernels_moe \
     -e plugins/kernels_gdn > "$out/install.log" 2>&1 || { tail "$out/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv | tee "$out/gpu.txt"
-# Tests print their reports as they go (-s), and a test past 150 s fails alone (pytest-timeout,
-# on the GPU image) so that the summary still comes back.
+# Tests print their reports as they go (-s), and a test past 150 s (300 s for the model tests,
+# whose first case builds the real-geometry checkpoint) fails alone (pytest-timeout, on the
+# GPU image) so that the summary still comes back.
 PYTEST_GPU="-v -s --tb=short -p no:cacheprovider --timeout 150 --durations 0"
 run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, print the last lines
     local name=$1 limit=$2; shift 2
@@ -37,7 +38,7 @@ run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, print the last lin
 }
 for stage in "$@"; do
     case $stage in
-        gpu-tests) run gpu_tests 420 python3 -m pytest $PYTEST_GPU \
+        gpu-tests) run gpu_tests 480 python3 -m pytest $PYTEST_GPU --timeout 300 \
                        tests/test_gpu_qwen3_5.py tests/test_gpu_qwen3.py ;;
         kernel-tests) run kernel_tests 300 python3 -m pytest $PYTEST_GPU \
                           tests/test_kernels_moe.py tests/test_kernels_gdn.py ;;
