@@ -1,5 +1,6 @@
 """Hybrid models on CUDA. The Qwen3.5-35B-A3B geometry (first 4 layers: 3 Gated DeltaNet + 1
-gated attention, 256-expert MoE) in bf16 with every installed kernel plugin: last-token logits
+gated attention, 256-expert MoE whose experts share a common component, see
+``build_real_geometry_model``) in bf16 with every installed kernel plugin: last-token logits
 against transformers on the same random weights, and compiled (CUDA-graph) decode against
 eager. Tiny hybrid models in fp32: compiled decode token for token."""
 
