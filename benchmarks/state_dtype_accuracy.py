@@ -13,34 +13,27 @@ token per step so the state is stored (and rounded) after every token, as in dec
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import tempfile
 
 import torch
 
 from qllm import LLM, SamplingParams
-from qllm.engine.scheduler import ScheduledBatch
-from qllm.engine.sequence import Sequence
+from qllm.diagnostics import teacher_forced_logits
 
 
-@torch.inference_mode()
-def stepwise_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
-    """Next-token logits ``[len - 1, V]`` after each prefix, computing one token per step."""
-    engine = llm.engine
-    seq = Sequence(token_ids, SamplingParams(temperature=0))
-    assert engine.cache.admit(seq)
-    rows = []
-    try:
-        for _ in range(len(token_ids) - 1):
-            assert engine.cache.reserve(seq, 1)
-            input_ids, positions, batch = engine.runner.prepare(
-                ScheduledBatch([seq], [1], is_prefill=True))
-            hidden = engine.model(input_ids, positions, batch)
-            rows.append(engine.model.compute_logits(hidden)[0])
-            seq.num_computed_tokens += 1
-    finally:
-        engine.cache.release(seq)
-    return torch.stack(rows)
+def run(path: str, args, state_dtype: str, prompts, greedy, continuations=None):
+    """Greedy outputs of an engine with ``state_dtype``, and its teacher-forced logits on
+    ``continuations`` (its own outputs when None). One engine at a time, to fit the real
+    geometry in host memory."""
+    llm = LLM(path, device=args.device, dtype=args.dtype, enforce_eager=True,
+              recurrent_state_dtype=state_dtype, max_model_len=2048)
+    outputs = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    logits = teacher_forced_logits(llm, prompts, continuations or outputs)
+    del llm
+    gc.collect()
+    return outputs, logits
 
 
 def main() -> None:
@@ -62,6 +55,7 @@ def main() -> None:
         args.kind = "qwen3_5_moe (35B-A3B geometry)"
         testing.build_real_geometry_model(args.real_geometry_layers, args.device,
                                           getattr(torch, args.dtype)).save_pretrained(path)
+        gc.collect()  # transformers' model holds reference cycles: free it before loading
         vocab = 10000
     else:
         testing.save_checkpoint(args.kind, path, max_position_embeddings=2048)
@@ -70,21 +64,15 @@ def main() -> None:
     prompts = [torch.randint(2, vocab, (int(n),), generator=generator).tolist()
                for n in torch.randint(20, 200, (args.prompts,), generator=generator)]
     greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    engines = {state: LLM(path, device=args.device, dtype=args.dtype, enforce_eager=True,
-                          recurrent_state_dtype=state, max_model_len=2048)
-               for state in ("float32", "bfloat16")}
-    outputs = {state: llm.generate(prompts, greedy, use_tqdm=False)
-               for state, llm in engines.items()}
-    matching, first_divergence, cosines = 0, [], []
-    for prompt, ref, test in zip(prompts, outputs["float32"], outputs["bfloat16"]):
-        pairs = list(zip(ref["token_ids"], test["token_ids"]))
+    reference, ref_logits = run(path, args, "float32", prompts, greedy)
+    outputs, test_logits = run(path, args, "bfloat16", prompts, greedy, reference)
+    matching, first_divergence = 0, []
+    for ref, test in zip(reference, outputs):
+        pairs = list(zip(ref, test))
         matching += sum(a == b for a, b in pairs)
         first_divergence.append(next((i for i, (a, b) in enumerate(pairs) if a != b),
                                      len(pairs)))
-        full = prompt + ref["token_ids"]
-        ref_logits, test_logits = (stepwise_logits(engines[s], full) for s in engines)
-        cosines.append(torch.nn.functional.cosine_similarity(ref_logits, test_logits, dim=-1))
-    cosine = torch.cat(cosines)
+    cosine = torch.nn.functional.cosine_similarity(ref_logits, test_logits, dim=-1)
     print(json.dumps({
         "kind": args.kind, "layers": args.real_geometry_layers, "device": args.device, "dtype": args.dtype,
         "prompts": len(prompts), "tokens_per_prompt": args.tokens,

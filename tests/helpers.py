@@ -86,32 +86,6 @@ def prefill_logits(llm, prompt: list[int]) -> torch.Tensor:
         engine.cache.release(seq)
 
 
-def decode_logits(llm, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
-    """qllm's logits ``[steps, B, V]`` (fp32, on the host) of decode steps fed the tokens
-    ``forced[b][step]`` after a prefill of ``prompts``: teacher forcing, so two engines
-    compare on the same inputs at every step. Decode goes through the engine's runner, so
-    through its CUDA graphs where it has them."""
-    engine, runner = llm.engine, llm.engine.runner
-    engine.cache.reset_prefix_cache()
-    seqs = [Sequence(prompt, SamplingParams(temperature=0)) for prompt in prompts]
-    for seq in seqs:
-        assert engine.cache.admit(seq) and engine.cache.reserve(seq, len(seq))
-    try:
-        runner.step_logits(ScheduledBatch(seqs, [len(seq) for seq in seqs], is_prefill=True))
-        steps = []
-        for step in range(len(forced[0])):
-            for seq, tokens in zip(seqs, forced):
-                seq.num_computed_tokens = len(seq)
-                seq.append_token(tokens[step])
-                assert engine.cache.reserve(seq, 1)
-            logits = runner.step_logits(ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False))
-            steps.append(logits.float().cpu())
-        return torch.stack(steps)
-    finally:
-        for seq in seqs:
-            engine.cache.release(seq)
-
-
 def assert_same_tokens(got: list[dict], expected: list[dict]) -> None:
     """Every output's token ids equal the expected ones; the message says where each of the
     differing outputs first diverges."""

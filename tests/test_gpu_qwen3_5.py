@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import (assert_cache_free, assert_same_tokens, decode_logits, prefill_logits,
-                     random_prompts)
+from helpers import assert_cache_free, assert_same_tokens, prefill_logits, random_prompts
 from qllm import LLM, SamplingParams
+from qllm.diagnostics import teacher_forced_logits
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -96,10 +96,10 @@ def test_bf16_compiled_decode_logits_match_eager(checkpoint):
     greedy = eager.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
                                                     ignore_eos=True), use_tqdm=False)
     forced = [out["token_ids"] for out in greedy]
-    expected = decode_logits(eager, prompts, forced)  # [steps, B, V]
+    expected = teacher_forced_logits(eager, prompts, forced)  # [steps, B, V]
     compiled = LLM(path, **ENGINE)
     assert compiled.engine.runner.graphs is not None
-    got = decode_logits(compiled, prompts, forced)
+    got = teacher_forced_logits(compiled, prompts, forced)
     cosine = torch.nn.functional.cosine_similarity(got, expected, dim=-1)  # [steps, B]
     top2 = expected.topk(2, dim=-1).values
     decisive = (top2[..., 0] - top2[..., 1]) > 0.1 * expected.std(dim=-1)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_cache_free, decode_logits, hf_greedy, prefill_logits, random_prompts
+from helpers import assert_cache_free, hf_greedy, prefill_logits, random_prompts
 from qllm import LLM, SamplingParams
+from qllm.diagnostics import teacher_forced_logits
 
 MAX_TOKENS = 64
 LENGTHS = [3, 17, 40, 64, 65, 100, 129, 200, 7, 33]
@@ -30,16 +31,16 @@ def test_prefill_logits_match_transformers(references):
     assert_cache_free(llm)
 
 
-def test_teacher_forced_decode_logits_equal_prefill_logits(references):
-    """The ``decode_logits`` helper (used on the GPU to compare compiled with eager decode):
-    each decode step's logits equal the prefill logits of the same token prefix."""
+def test_teacher_forced_logits_equal_prefill_logits(references):
+    """``teacher_forced_logits`` (used on the GPU to compare compiled with eager decode, and
+    fp32 with bf16 state): each step's logits equal the prefill logits of the same prefix."""
     path, _, prompts, expected = references
     llm = LLM(path, block_size=16)
     forced = [tokens[:3] for tokens in expected[:4]]
-    steps = decode_logits(llm, prompts[:4], forced)  # [3, 4, V]
+    steps = teacher_forced_logits(llm, prompts[:4], forced)  # [3, 4, V]
     for b, (prompt, tokens) in enumerate(zip(prompts, forced)):
         for step in range(3):
-            reference = prefill_logits(llm, prompt + tokens[:step + 1])[-1]
+            reference = prefill_logits(llm, prompt + tokens[:step])[-1]
             torch.testing.assert_close(steps[step, b], reference, atol=1e-4, rtol=0)
     assert_cache_free(llm)
 
