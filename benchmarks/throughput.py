@@ -6,7 +6,8 @@ real geometry (``load_format="dummy"`` on a config.json this script writes).
     python benchmarks/throughput.py --workload w2 --engine transformers --peer-prompts 32 \
         --peer-batch 32 --peer-max-tokens 200
 
-Prints one JSON line per run: engine, workload, tokens, seconds, tok/s, peak memory, commit.
+Prints one JSON line per run: engine, workload, tokens, seconds, tok/s, peak memory, commit;
+for qllm also the timed run's steps split into prefill and decode (``StepTimeline``).
 """
 
 from __future__ import annotations
@@ -87,13 +88,60 @@ def run_qllm(model_dir: str, prompts, params, args) -> dict:
         first = [SamplingParams(temperature=t, max_tokens=1, ignore_eos=True) for _, t in params]
         result["first_request_ttft_seconds"] = round(_timed(llm, prompts, first)[1], 4)
         result["ttft_seconds"] = round(_timed(llm, prompts, first)[1], 4)
+    timeline = StepTimeline(llm.engine)
     outputs, seconds = _timed(llm, prompts, sampling)
+    result["steps"] = timeline.summary()
     tokens = sum(len(o["token_ids"]) for o in outputs)
     if len(prompts) == 1:
         result["decode_tok_per_s"] = round((tokens - 1) / (seconds - result["ttft_seconds"]), 1)
     return {**result, "tokens": tokens, "seconds": seconds, "startup_seconds": round(startup, 1),
             "kernels": llm.engine.kernels.names(),
             "decode_graph_sizes": llm.engine.runner.graphs.sizes if llm.engine.runner.graphs else None}
+
+
+class StepTimeline:
+    """Records the engine's steps from now on: the kind of batch each launched (prefill,
+    decode, or none while the last tokens land), its size and the step's wall time. With
+    async scheduling a step's wall time also covers the wait for the step before it, so the
+    split by kind is approximate at the boundaries between phases."""
+
+    def __init__(self, engine):
+        self.rows: list[tuple[str, int, int, float]] = []  # (kind, seqs, tokens, seconds)
+        schedule, step = engine.scheduler.schedule, engine.step
+        launched = []
+
+        def recording_schedule():
+            launched.append(schedule())
+            return launched[-1]
+
+        def timed_step():
+            launched.clear()
+            start = time.perf_counter()
+            advanced = step()
+            batch = launched[0] if launched else None
+            kind = "none" if batch is None else "prefill" if batch.is_prefill else "decode"
+            self.rows.append((kind, len(batch.seqs) if batch else 0,
+                              sum(batch.num_tokens) if batch else 0,
+                              time.perf_counter() - start))
+            return advanced
+
+        engine.scheduler.schedule, engine.step = recording_schedule, timed_step
+
+    def summary(self) -> dict:
+        """Per kind: steps, seconds, tokens; for decode also the mean batch and the time
+        spent in steps of under 64 sequences (the tail of a run)."""
+        out = {}
+        for kind in ("prefill", "decode", "none"):
+            rows = [r for r in self.rows if r[0] == kind]
+            if rows:
+                out[kind] = {"steps": len(rows), "seconds": round(sum(r[3] for r in rows), 3),
+                             "tokens": sum(r[2] for r in rows)}
+        decode = [r for r in self.rows if r[0] == "decode"]
+        if decode:
+            out["decode"]["mean_batch"] = round(sum(r[1] for r in decode) / len(decode), 1)
+            out["decode"]["seconds_under_64_seqs"] = round(
+                sum(r[3] for r in decode if r[1] < 64), 3)
+        return out
 
 
 def _timed(llm, prompts, sampling) -> tuple[list[dict], float]:
