@@ -6,7 +6,8 @@
 #   gpu-tests: Qwen3 and Qwen3.5 model tests on CUDA; kernel-tests: kernel parity tests;
 #   kernels: kernel micro-benchmarks; w1, w2, w3: throughput.py; w1-peer, w2-peer, w3-peer:
 #   transformers on the same workload; w1-sync: W1 without async scheduling; w2-bf16-state:
-#   W2 with a bf16 GDN state; profile-w1/w2/w3, profile-w2-prefill: profile_step.py;
+#   W2 with a bf16 GDN state; profile-w1/w2/w3, profile-w1-prefill, profile-w2-prefill:
+#   profile_step.py;
 #   state-dtype: bf16 vs fp32 recurrent state at the real geometry; tune-moe: quick MoE
 #   block-size sweep for the token counts in $TUNE_TOKENS (default "1 256"), the rewritten
 #   table copied to $OUT.
@@ -71,6 +72,9 @@ for stage in "$@"; do
                      --engine transformers --peer-batch 1 --peer-max-tokens 64 ;;
         profile-w1) run profile_w1 150 python3 benchmarks/profile_step.py --workload w1 \
                         --batch 256 --context 1100 --out "$out" ;;
+        profile-w1-prefill) run profile_w1_prefill 150 python3 benchmarks/profile_step.py \
+                                --workload w1 --batch 16 --context 1024 --phase prefill \
+                                --steps 4 --out "$out" ;;
         profile-w2) run profile_w2 200 python3 benchmarks/profile_step.py --workload w2 \
                         --batch 200 --context 2000 --out "$out" ;;
         profile-w2-prefill) run profile_w2_prefill 200 python3 benchmarks/profile_step.py \
