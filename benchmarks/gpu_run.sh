@@ -73,7 +73,7 @@ for stage in "$@"; do
         profile-w1) run profile_w1 150 python3 benchmarks/profile_step.py --workload w1 \
                         --batch 256 --context 1100 --out "$out" ;;
         profile-w1-prefill) run profile_w1_prefill 150 python3 benchmarks/profile_step.py \
-                                --workload w1 --batch 16 --context 1024 --phase prefill \
+                                --workload w1 --batch 128 --context 1024 --phase prefill \
                                 --steps 4 --out "$out" ;;
         profile-w2) run profile_w2 200 python3 benchmarks/profile_step.py --workload w2 \
                         --batch 200 --context 2000 --out "$out" ;;
