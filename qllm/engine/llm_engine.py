@@ -77,7 +77,7 @@ class LLMEngine:
         config = self.config
         count = min(config.max_num_seqs, 16)
         longest = max(1, min(config.max_model_len - 2, config.max_num_batched_tokens))
-        length = min(longest, config.max_num_batched_tokens // count)
+        length = max(1, min(longest, config.max_num_batched_tokens // count))
         self._serve_dummy([length] * count)
         ladder = [1 << k for k in range(4, 32) if 1 << k < length * count]
         for size in ladder:  # prompts of at most `longest` tokens that sum to `size`
