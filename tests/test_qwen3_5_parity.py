@@ -42,6 +42,17 @@ def test_prefill_logits_match_transformers(reference):
     assert_cache_free(llm)
 
 
+def test_exact_reference_logits_match_in_process_transformers(tmp_path):
+    """The GPU tests' fp32 oracle (transformers in a child process, fla blocked) gives the
+    same last-token logits as the in-process transformers model."""
+    model = qwen3_5_testing.save_checkpoint("qwen3_5_moe", str(tmp_path))
+    prompts = random_prompts([5, 100])
+    exact = qwen3_5_testing.exact_reference_logits(str(tmp_path), prompts, device="cpu")
+    for prompt, logits in zip(prompts, exact):
+        torch.testing.assert_close(logits, qwen3_5_testing.hf_logits(model, prompt)[-1],
+                                   atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("options", [
     pytest.param({}, id="all-together"),
     pytest.param({"max_num_batched_tokens": 48}, id="chunked-prefill"),
