@@ -5,9 +5,10 @@
 # Stages (each killed after its time limit, so one hang does not cost the call):
 #   gpu-tests: Qwen3 and Qwen3.5 model tests on CUDA; kernel-tests: kernel parity tests;
 #   kernels: kernel micro-benchmarks; w1, w2, w3: throughput.py; w1-peer, w2-peer, w3-peer:
-#   transformers on the same workload; w1-sync: W1 without async scheduling; w2-bf16-state:
-#   W2 with a bf16 GDN state; profile-w1/w2/w3, profile-w1-prefill, profile-w2-prefill:
-#   profile_step.py;
+#   transformers on the same workload; w1-sync: W1 without async scheduling; w2, w3 and
+#   their profiles keep the GDN state in bf16, as vLLM's anchors do (WORKLOADS.md), and
+#   w2-fp32-state runs W2 with the fp32 default; profile-w1/w2/w3, profile-w1-prefill,
+#   profile-w2-prefill: profile_step.py;
 #   state-dtype: bf16 vs fp32 recurrent state at the real geometry; tune-moe: quick MoE
 #   block-size sweep for the token counts in $TUNE_TOKENS (default "1 256"), the rewritten
 #   table copied to $OUT.
@@ -52,22 +53,21 @@ for stage in "$@"; do
         w1-peer) run w1_peer 200 python3 benchmarks/throughput.py --workload w1 \
                      --engine transformers --peer-prompts 64 --peer-max-tokens 256 ;;
         w2) run w2 300 python3 benchmarks/throughput.py --workload w2 --max-num-seqs 200 \
-                --max-model-len 3072 ;;
+                --max-model-len 3072 --recurrent-state-dtype bfloat16 ;;
         w2-peer) run w2_peer 200 python3 benchmarks/throughput.py --workload w2 \
                      --engine transformers --peer-prompts 32 --peer-batch 32 \
                      --peer-max-tokens 200 ;;
         w1-sync) run w1_sync 240 python3 benchmarks/throughput.py --workload w1 \
                      --sync-scheduling ;;
-        w2-bf16-state) run w2_bf16_state 300 python3 benchmarks/throughput.py --workload w2 \
-                           --max-num-seqs 200 --max-model-len 3072 \
-                           --recurrent-state-dtype bfloat16 ;;
+        w2-fp32-state) run w2_fp32_state 300 python3 benchmarks/throughput.py --workload w2 \
+                           --max-num-seqs 200 --max-model-len 3072 ;;
         profile-w3) run profile_w3 150 python3 benchmarks/profile_step.py --workload w3 \
-                        --batch 1 --context 512 --out "$out" ;;
+                        --batch 1 --context 512 --recurrent-state-dtype bfloat16 --out "$out" ;;
         tune-moe) run tune_moe 420 python3 benchmarks/bench_moe.py --tune --grid quick \
                       --tokens ${TUNE_TOKENS:-1 256}
                   cp plugins/kernels_moe/qllm_kernels_moe/configs/*.json "$out"/moe_configs.json ;;
         w3) run w3 150 python3 benchmarks/throughput.py --workload w3 --max-num-seqs 1 \
-                --max-model-len 1024 ;;
+                --max-model-len 1024 --recurrent-state-dtype bfloat16 ;;
         w3-peer) run w3_peer 150 python3 benchmarks/throughput.py --workload w3 \
                      --engine transformers --peer-batch 1 --peer-max-tokens 64 ;;
         profile-w1) run profile_w1 150 python3 benchmarks/profile_step.py --workload w1 \
@@ -76,7 +76,8 @@ for stage in "$@"; do
                                 --workload w1 --batch 128 --context 1024 --phase prefill \
                                 --steps 4 --out "$out" ;;
         profile-w2) run profile_w2 200 python3 benchmarks/profile_step.py --workload w2 \
-                        --batch 200 --context 2000 --out "$out" ;;
+                        --batch 200 --context 2000 --recurrent-state-dtype bfloat16 \
+                        --out "$out" ;;
         profile-w2-prefill) run profile_w2_prefill 200 python3 benchmarks/profile_step.py \
                                 --workload w2 --batch 200 --context 1000 --phase prefill \
                                 --steps 4 --out "$out" ;;

@@ -50,7 +50,7 @@ def ready_engine(args):
     config, _, _ = workload(args.workload)
     llm = LLM(write_config(config, args.num_layers), load_format="dummy", dtype="bfloat16",
               max_num_seqs=args.batch, max_model_len=args.context + 4 * args.steps + 64,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, recurrent_state_dtype=args.recurrent_state_dtype)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     engine = llm.engine
     rng = random.Random(0)
@@ -101,6 +101,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--num-layers", type=int)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--recurrent-state-dtype", default="float32",
+                        help="GDN state dtype of hybrid models (float32 or bfloat16)")
     parser.add_argument("--out", default=os.environ.get("OUT", "profile-out"))
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -139,6 +141,7 @@ def main() -> None:
         "workload": args.workload, "phase": args.phase, "batch": args.batch,
         "context": args.context, "tokens_per_step": tokens_per_step,
         "num_layers": args.num_layers, "graphs": engine.runner.graphs is not None,
+        "recurrent_state_dtype": args.recurrent_state_dtype,
         "step_ms": round(step_ms, 3), "tok_per_s": round(tokens_per_step / step_ms * 1e3, 1),
         "kernels_per_step": len(intervals) // args.steps,
         "gpu_busy_ms_per_step": round(busy / args.steps / 1e3, 3),
