@@ -74,7 +74,8 @@ def main() -> None:
                                      len(pairs)))
     cosine = torch.nn.functional.cosine_similarity(ref_logits, test_logits, dim=-1)
     print(json.dumps({
-        "kind": args.kind, "layers": args.real_geometry_layers, "device": args.device, "dtype": args.dtype,
+        "kind": args.kind, "layers": args.real_geometry_layers, "device": args.device,
+        "dtype": args.dtype,
         "prompts": len(prompts), "tokens_per_prompt": args.tokens,
         "greedy_token_agreement": round(matching / (len(prompts) * args.tokens), 4),
         "first_divergence_median": sorted(first_divergence)[len(first_divergence) // 2],

@@ -82,9 +82,9 @@ def run_qllm(model_dir: str, prompts, params, args) -> dict:
     sampling = [SamplingParams(temperature=t, max_tokens=m, ignore_eos=True) for m, t in params]
     result = {}
     if len(prompts) == 1:  # a latency workload: time to first token, then decode speed
-        # The first request of a prompt length compiles the Triton kernels of its prefill
-        # shapes (the start-up warm-up covers only the full-size prefill): reported apart,
-        # and the decode speed is taken from warm runs.
+        # The first request of a prompt length may still compile kernels for its prefill
+        # shapes (the start-up warm-up covers powers of two): reported apart, and the decode
+        # speed is taken from warm runs.
         first = [SamplingParams(temperature=t, max_tokens=1, ignore_eos=True) for _, t in params]
         result["first_request_ttft_seconds"] = round(_timed(llm, prompts, first)[1], 4)
         result["ttft_seconds"] = round(_timed(llm, prompts, first)[1], 4)

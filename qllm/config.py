@@ -89,7 +89,7 @@ class EngineConfig:
     recurrent_state_dtype: torch.dtype = torch.float32
     kernels: dict[str, str] = field(default_factory=dict)  # op -> implementation name
     async_scheduling: bool = True  # prepare step N+1 while step N runs on the device
-    warm_up: bool = True  # on CUDA: a full-size dummy prefill at start-up (kernel JIT, tuning)
+    warm_up: bool = True  # on CUDA: dummy prefills at start-up (kernel JIT, tuning)
 
     def __post_init__(self):
         self.dtype = resolve_dtype(self.dtype)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from qllm.config import SamplingParams
 from qllm.engine.scheduler import ScheduledBatch
 from qllm.engine.sequence import Sequence
-from qllm.config import SamplingParams
 
 
 @torch.inference_mode()

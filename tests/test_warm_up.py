@@ -8,7 +8,7 @@ from helpers import assert_cache_free, random_prompts
 from qllm import LLM, SamplingParams
 
 
-def test_warm_up_fills_one_prefill_step_and_leaves_nothing_behind(qwen3_dir, monkeypatch):
+def test_warm_up_runs_full_prefill_then_ladder_and_leaves_nothing_behind(qwen3_dir, monkeypatch):
     engine_options = dict(block_size=16, max_model_len=256, max_num_batched_tokens=512)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = random_prompts([10, 40, 100])

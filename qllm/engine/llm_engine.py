@@ -81,8 +81,8 @@ class LLMEngine:
         self._serve_dummy([length] * count)
         ladder = [1 << k for k in range(4, 32) if 1 << k < length * count]
         for size in ladder:  # prompts of at most `longest` tokens that sum to `size`
-            self._serve_dummy([longest] * (size // longest) + [size % longest] * bool(
-                size % longest))
+            full, rest = divmod(size, longest)
+            self._serve_dummy([longest] * full + ([rest] if rest else []))
         self.scheduler.num_preemptions = 0
         logger.info("warm-up: %d prompts of %d tokens, then prefill steps of %s tokens, "
                     "in %.1f s", count, length, ladder, time.perf_counter() - start)

@@ -103,7 +103,7 @@ def share_expert_component_(model: torch.nn.Module, spread: float) -> None:
         if tail in ("gate_up_proj", "down_proj"):  # fused: one tensor per layer
             groups[name] = list(param.unbind(0))
         else:  # per expert: group by layer and projection
-            index, rest = tail.split(".", 1)
+            _, rest = tail.split(".", 1)  # drop the expert index
             groups.setdefault(f"{head}.experts.*.{rest}", []).append(param)
     if not groups:
         raise ValueError("the model has no expert parameters")
