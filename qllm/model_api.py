@@ -36,6 +36,14 @@ class CausalLM(nn.Module):
         """The repeated blocks, compiled one by one (regional compilation) for decode."""
         return self.model.layers
 
+    def prefill_regions(self) -> list[nn.Module]:
+        """Submodules compiled on their own for prefill: the pointwise chains (norms, rotary,
+        gated activations) that eager mode would run as a dozen kernels each. Prefill runs the
+        decoder layers' plain ``forward`` (their attention takes host-side lengths that would
+        specialise a layer graph per batch), so without these every chain runs unfused.
+        By default, the submodules whose class sets ``prefill_region = True``."""
+        return [m for m in self.modules() if getattr(m, "prefill_region", False)]
+
     def checkpoint_name(self, name: str) -> str | tuple[str, str] | None:
         """The model's parameter name for a checkpoint tensor name (or ``(name, shard)`` of a
         packed parameter); ``None`` to skip it."""

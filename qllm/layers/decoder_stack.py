@@ -14,7 +14,9 @@ class DecoderStack(nn.Module):
     """``embed_tokens`` -> ``layers`` -> ``norm``, with HF's parameter names.
 
     Each layer maps ``(positions, hidden, residual, batch)`` to ``(hidden, residual)``, the
-    residual being None before the first layer (its input norm then adds nothing).
+    residual being None before the first layer (its input norm then adds nothing). Prefill
+    calls each layer's plain ``forward``, bypassing a layer compiled for decode (see
+    ``CausalLM.prefill_regions``).
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, layers: Iterable[nn.Module],
@@ -29,6 +31,7 @@ class DecoderStack(nn.Module):
         """``input_ids``/``positions`` ``[T]`` -> final hidden states ``[T, H]``."""
         hidden, residual = self.embed_tokens(input_ids), None  # [T, H]
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, batch)
+            run = layer.forward if batch.is_prefill else layer
+            hidden, residual = run(positions, hidden, residual, batch)
         hidden, _ = self.norm(hidden, residual)
         return hidden

@@ -15,6 +15,8 @@ class RMSNormGated(nn.Module):
     input dtype before the weight, the gate is applied in fp32, the result is cast back.
     """
 
+    prefill_region = True  # see CausalLM.prefill_regions
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps

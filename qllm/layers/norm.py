@@ -13,6 +13,8 @@ class RMSNorm(nn.Module):
     Called with a ``residual``, adds it first and returns ``(normed, new_residual)``.
     """
 
+    prefill_region = True  # see CausalLM.prefill_regions
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, zero_centered: bool = False):
         super().__init__()
         self.eps = eps

@@ -25,6 +25,8 @@ class RotaryEmbedding(nn.Module):
     model is materialised from the meta device.
     """
 
+    prefill_region = True  # see CausalLM.prefill_regions
+
     def __init__(self, head_dim: int, rotary_dim: int, max_positions: int, theta: float):
         super().__init__()
         self.head_dim, self.rotary_dim = head_dim, rotary_dim

@@ -47,10 +47,11 @@ class SampledStep:
 class ModelRunner:
     """Owns the model and turns scheduled batches into sampled tokens.
 
-    Prefill runs eagerly. Decode runs through ``torch.compile``d decoder layers and, on CUDA,
-    CUDA graphs of whole steps, one per padded batch-size bucket, captured at start-up, unless
-    ``enforce_eager``; on CPU it runs eagerly unless ``compile_on_cpu``. A decode batch larger
-    than the largest bucket runs without graphs.
+    Decode runs through ``torch.compile``d decoder layers and, on CUDA, CUDA graphs of whole
+    steps, one per padded batch-size bucket, captured at start-up; a decode batch larger than
+    the largest bucket runs without graphs. Prefill runs the decoder layers eagerly around
+    their compiled pointwise regions (``CausalLM.prefill_regions``). ``enforce_eager`` turns
+    all of it off; on CPU it is off unless ``compile_on_cpu``.
     """
 
     def __init__(self, model: CausalLM, config: EngineConfig, cache: CacheRegistry,
@@ -69,7 +70,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         use_compile = not config.enforce_eager and (device.type == "cuda" or config.compile_on_cpu)
         if use_compile:
-            self._compile_decode()
+            self._compile()
 
     # ----------------------------------------------------------------- batch metadata
     def _tensor(self, values, dtype) -> torch.Tensor:
@@ -168,9 +169,6 @@ class ModelRunner:
                                                        previous=previous)
             return self.graphs.replay(input_ids, positions, batch)[:len(scheduled)]
         input_ids, positions, batch = self.prepare(scheduled, previous=previous)
-        if scheduled.is_prefill:
-            with torch.compiler.set_stance("force_eager"):  # compiled layers serve decode
-                return self._forward_logits(input_ids, positions, batch)
         return self._forward_logits(input_ids, positions, batch)
 
     @torch.inference_mode()
@@ -199,9 +197,10 @@ class ModelRunner:
         return SampledStep(scheduled, sampled_seqs, device_tokens, host_tokens, copied)
 
     # ----------------------------------------------------------------- compiled decode
-    def _compile_decode(self) -> None:
+    def _compile(self) -> None:
         """Compile each decoder layer (one compiled graph shared by all layers of a kind,
-        symbolic batch size), then capture whole decode steps as CUDA graphs per bucket.
+        symbolic batch size) and each prefill region (symbolic token count), then capture
+        whole decode steps as CUDA graphs per bucket.
 
         Regional compilation keeps start-up short: compiling the whole model as one
         ``reduce-overhead`` graph took 200 s plus 69 s for the batch-1 specialisation at
@@ -214,6 +213,8 @@ class ModelRunner:
                                                    RECOMPILE_LIMIT)
         for layer in self.model.decoder_layers():
             layer.compile(dynamic=True, fullgraph=True)
+        for region in self.model.prefill_regions():  # inlined into the layers' decode graphs
+            region.compile(dynamic=True, fullgraph=True)
         if self.device.type == "cuda":
             sizes = [s for s in self.config.cudagraph_batch_sizes
                      if s <= self.config.max_num_seqs]

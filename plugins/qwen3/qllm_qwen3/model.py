@@ -6,11 +6,11 @@ import torch
 from torch import nn
 
 from qllm.config import EngineConfig
-from qllm.layers.activation import silu_and_mul
 from qllm.layers.attention import PagedAttention
 from qllm.layers.decoder_stack import DecoderStack
 from qllm.layers.embedding import LMHead
 from qllm.layers.linear import PackedLinear
+from qllm.layers.mlp import SwiGLUMLP
 from qllm.layers.norm import RMSNorm
 from qllm.layers.rotary import RotaryEmbedding, rope_theta
 from qllm.model_api import CausalLM
@@ -48,23 +48,11 @@ class Qwen3Attention(nn.Module):
         return self.o_proj(out.flatten(-2))
 
 
-class Qwen3MLP(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.gate_up_proj = PackedLinear(config.hidden_size,
-                                         {"gate": config.intermediate_size,
-                                          "up": config.intermediate_size})
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
-
-
 class Qwen3DecoderLayer(nn.Module):
     def __init__(self, config, kernels: Kernels, cache_dtype: torch.dtype):
         super().__init__()
         self.self_attn = Qwen3Attention(config, kernels, cache_dtype)
-        self.mlp = Qwen3MLP(config)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

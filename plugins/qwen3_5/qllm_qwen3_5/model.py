@@ -14,6 +14,7 @@ from torch import nn
 from qllm.config import EngineConfig
 from qllm.layers.decoder_stack import DecoderStack
 from qllm.layers.embedding import LMHead
+from qllm.layers.mlp import SwiGLUMLP
 from qllm.layers.norm import RMSNorm
 from qllm.model_api import CausalLM
 from qllm.plugins import Kernels
@@ -22,7 +23,7 @@ from qllm.runner.batch import ForwardBatch
 from qllm_qwen3_5.attention import GatedAttention
 from qllm_qwen3_5.config import Variant, is_sparse_layer, validate, variant_of
 from qllm_qwen3_5.deltanet import GatedDeltaNet
-from qllm_qwen3_5.moe import INPUT_PROJ_SHARDS, DenseMLP, SparseMoeBlock
+from qllm_qwen3_5.moe import INPUT_PROJ_SHARDS, SparseMoeBlock
 
 # Checkpoint tensors the text model does not use: the multi-token-prediction head and the
 # vision tower of the multimodal checkpoints.
@@ -48,7 +49,7 @@ class DecoderLayer(nn.Module):
         if is_sparse_layer(variant, config, index):
             self.mlp = SparseMoeBlock(config, kernels, variant.norm_topk_prob)
         else:
-            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
+            self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero_centered=True)

@@ -129,19 +129,6 @@ class Router(nn.Module):
         return self._route(logits, self.top_k, self.renormalize)
 
 
-class DenseMLP(nn.Module):
-    """SwiGLU MLP (the dense layers); ``gate_proj``/``up_proj`` fused."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_up_proj = PackedLinear(hidden_size, {"gate": intermediate_size,
-                                                       "up": intermediate_size})
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-
-
 # Shards of ``SparseMoeBlock.input_proj``, keyed by the HF module that holds each one.
 INPUT_PROJ_SHARDS = {"gate": "router", "shared_expert_gate": "shared_expert_gate",
                      "shared_expert.gate_proj": "shared_gate",
