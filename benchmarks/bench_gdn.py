@@ -17,6 +17,10 @@ at decode) against the H200's ~4.3 TB/s. ``max_err`` is the largest difference f
 reference's output. Prints a table, then one JSON object per row.
 
     python benchmarks/bench_gdn.py [--impl triton torch fla] [--batches 1 16 64 200]
+        [--ssm-dtype bfloat16] [--sweep-decode]
+
+``--sweep-decode`` times only the Triton decode kernel over its launch configurations (value
+dims per program x warps) at each batch size, to choose ``_block_v``'s rule.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from qllm_kernels_gdn import ops
 from qllm_kernels_gdn.testing import QWEN3_5_35B_A3B, conv_inputs, gdn_inputs, random_batch
 
 GEOMETRY = QWEN3_5_35B_A3B
-DTYPE, SSM_DTYPE, CONV_DTYPE = torch.bfloat16, torch.float32, torch.bfloat16
+DTYPE, CONV_DTYPE = torch.bfloat16, torch.bfloat16
+SSM_DTYPE = torch.float32  # --ssm-dtype
 NUM_SLOTS = 256
 PEAK_GBPS = 4300.0
 PREFILL_SEQS, PREFILL_LEN = 8, 1000
@@ -125,12 +130,40 @@ def measure(kind: str, name: str, batch, impls: list[str]) -> list[dict]:
     return rows
 
 
+def sweep_decode(batch_sizes: list[int]) -> None:
+    """GB/s of the Triton decode kernel for every (block_v, num_warps), one line each."""
+    from qllm_kernels_gdn.triton_recurrent import gated_delta_rule
+
+    for batch_size in batch_sizes:
+        batch = random_batch([1] * batch_size, NUM_SLOTS, True, device="cuda", seed=batch_size)
+        args, nbytes = case_args("gdn_decode", batch)
+        q, k, v, g, beta, ssm_state = args[:6]
+        for block_v in (16, 32, 64, 128):
+            for num_warps in (1, 2, 4, 8):
+                call = functools.partial(
+                    gated_delta_rule, q, k, v, g, beta, ssm_state, batch.recurrent_slots,
+                    batch.has_initial_state, block_v=block_v, num_warps=num_warps)
+                call()
+                ms = do_bench(graphed(call), return_mode="median")
+                print(json.dumps({"sweep": "gdn_decode", "batch": batch_size,
+                                  "ssm_dtype": str(SSM_DTYPE), "block_v": block_v,
+                                  "num_warps": num_warps, "ms": round(ms, 4),
+                                  "gbps": round(nbytes / ms / 1e6, 1)}))
+
+
 def main() -> None:
+    global SSM_DTYPE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--impl", nargs="+", default=["triton", "fla", "torch"],
                         choices=["triton", "fla", "torch"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64, 200])
+    parser.add_argument("--ssm-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--sweep-decode", action="store_true")
     args = parser.parse_args()
+    SSM_DTYPE = getattr(torch, args.ssm_dtype)
+    if args.sweep_decode:
+        sweep_decode(args.batches)
+        return
     impls = [i for i in args.impl if i != "fla" or HAS_FLA]
 
     rows = []

@@ -94,18 +94,20 @@ def _block_v(num_seqs: int, num_heads: int, dv: int) -> int:
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor,
-                     has_state: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+                     has_state: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                     block_v: int | None = None, num_warps: int | None = None
                      ) -> torch.Tensor:
     """``q, k [T, Hk, dk]`` raw, ``v [T, Hv, dv]``, ``g, beta [T, Hv]``; ``ssm_state
     [S + 1, Hv, dk, dv]`` updated in place at ``slots [B]``. Without ``cu_seqlens`` (decode)
     ``T == B`` and token ``i`` belongs to sequence ``i``; with it, sequence ``i`` owns tokens
-    ``cu_seqlens[i]:cu_seqlens[i + 1]``. Returns ``o [T, Hv, dv]`` in ``v.dtype``."""
+    ``cu_seqlens[i]:cu_seqlens[i + 1]``. Returns ``o [T, Hv, dv]`` in ``v.dtype``.
+    ``block_v`` and ``num_warps`` override the launch configuration (for tuning)."""
     q, k, v = (_unit_last_stride(x) for x in (q, k, v))
     tokens, num_v_heads, dv = v.shape
     dk = q.shape[-1]
     num_seqs = slots.shape[0]
     out = v.new_empty(tokens, num_v_heads, dv)
-    block_v = _block_v(num_seqs, num_v_heads, dv)
+    block_v = block_v or _block_v(num_seqs, num_v_heads, dv)
     grid = (triton.cdiv(dv, block_v), num_v_heads, num_seqs)
     _gated_delta_rule_kernel[grid](
         q, k, v, g, beta, out, ssm_state,
@@ -117,5 +119,5 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
         GROUP=num_v_heads // q.shape[1], DK=dk, DV=dv,
         BK=triton.next_power_of_2(dk), BV=block_v, VARLEN=cu_seqlens is not None,
-        num_warps=4 if block_v >= 32 else 2)
+        num_warps=num_warps or (4 if block_v >= 32 else 2))
     return out
