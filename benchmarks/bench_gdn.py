@@ -20,7 +20,7 @@ reference's output. Prints a table, then one JSON object per row.
         [--ssm-dtype bfloat16] [--sweep-decode]
 
 ``--sweep-decode`` times only the Triton decode kernel over its launch configurations (value
-dims per program x warps) at each batch size, to choose ``_block_v``'s rule.
+dims per program x warps) at each batch size, to choose ``_launch_config``'s rule.
 """
 
 from __future__ import annotations

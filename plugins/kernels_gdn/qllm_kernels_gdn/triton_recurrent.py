@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 L2NORM_EPS = 1e-6
-MIN_PROGRAMS = 512  # below this many programs at BV = 32, halve BV to fill the GPU's SMs
+MIN_PROGRAMS = 512  # below this many programs at BV = 32, BV = 16 fills the GPU's SMs better
 
 
 @triton.jit
@@ -86,10 +86,20 @@ def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _block_v(num_seqs: int, num_heads: int, dv: int) -> int:
-    """32 value dims per program, 16 where that leaves too few programs to fill the GPU."""
-    block = 32 if num_seqs * num_heads * triton.cdiv(dv, 32) >= MIN_PROGRAMS else 16
-    return min(block, triton.next_power_of_2(dv))
+def _launch_config(num_seqs: int, num_heads: int, dv: int, state_dtype: torch.dtype
+                   ) -> tuple[int, int]:
+    """``(value dims per program, warps)``. Where 32 value dims per program leave too few
+    programs to fill the GPU, 16 with 2 warps. Otherwise, by state dtype, the best of
+    ``bench_gdn.py --sweep-decode`` on the H200 at the Qwen3.5-35B-A3B geometry, batch 200
+    (2026-11-30): bf16 32 x 2 warps (141 us per layer; 162 us at 32 x 4, 149 us at 64 x 4),
+    fp32 64 x 4 warps (222 us; 238 us at 32 x 4, 231 us at 32 x 2)."""
+    if num_seqs * num_heads * triton.cdiv(dv, 32) < MIN_PROGRAMS:
+        block_v, num_warps = 16, 2
+    elif state_dtype.itemsize <= 2:
+        block_v, num_warps = 32, 2
+    else:
+        block_v, num_warps = 64, 4
+    return min(block_v, triton.next_power_of_2(dv)), num_warps
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -107,7 +117,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     dk = q.shape[-1]
     num_seqs = slots.shape[0]
     out = v.new_empty(tokens, num_v_heads, dv)
-    block_v = block_v or _block_v(num_seqs, num_v_heads, dv)
+    default_block_v, default_warps = _launch_config(num_seqs, num_v_heads, dv,
+                                                    ssm_state.dtype)
+    block_v, num_warps = block_v or default_block_v, num_warps or default_warps
     grid = (triton.cdiv(dv, block_v), num_v_heads, num_seqs)
     _gated_delta_rule_kernel[grid](
         q, k, v, g, beta, out, ssm_state,
@@ -119,5 +131,5 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
         GROUP=num_v_heads // q.shape[1], DK=dk, DV=dv,
         BK=triton.next_power_of_2(dk), BV=block_v, VARLEN=cu_seqlens is not None,
-        num_warps=num_warps or (4 if block_v >= 32 else 2))
+        num_warps=num_warps)
     return out
