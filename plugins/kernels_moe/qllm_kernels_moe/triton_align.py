@@ -1,12 +1,14 @@
 """``moe_align`` for decode-sized batches as one Triton program (one launch instead of the ~12
 sort, search and scan kernels of the torch version; the same output, entry for entry).
 
-One program walks the slots in chunks of ``CHUNK``. Each slot's expert becomes a one-hot row
-over the (padded) experts, so per-expert counts are column sums, and a slot's rank among the
-earlier slots of its expert is a running count plus an exclusive column cumsum within the
-chunk: the order within an expert stays ascending, as in the stable sort. The work per chunk
-is ``CHUNK x E`` element operations, so the kernel serves up to ``MAX_SLOTS`` slots; larger
-(prefill) batches take the torch version.
+The program holds every slot's key ``expert * S_PAD + slot`` in registers and sorts them
+(``tl.sort``, a bitonic network): the sorted keys are the slots grouped by expert, ascending
+within an expert, as in the torch version's stable sort. A histogram of the expert ids gives
+each expert's sorted start and padded run start; a sorted slot at position ``p`` of expert
+``e`` lands at ``p`` plus the padding inserted before ``e``'s run. The work is
+``S log^2 S`` compare-exchanges plus ``E`` per expert, so one program serves up to
+``MAX_SLOTS`` slots (decode batches of up to 512 tokens at top-8); larger (prefill) batches
+take the torch version.
 """
 
 from __future__ import annotations
@@ -18,31 +20,34 @@ import triton.language as tl
 from qllm_kernels_moe.align import SortedSlots, max_padded_slots
 
 MAX_SLOTS = 4096
-# The fused op takes this kernel up to here (decode batches of up to 128 tokens at top-8),
-# where one launch replaces ~12. Beyond it the sequential walk over chunks may lose to the
-# torch sort's parallel kernels: not measured yet (bench_moe.py's ``tr_align`` column).
-PREFERRED_UP_TO = 1024
-CHUNK = 64
+# The fused op takes this kernel for every batch it serves. Not yet timed against the torch
+# sort past 1,024 slots on the H200 (bench_moe.py's ``tr_align`` column); the chunked kernel
+# it replaced walked ``S x E`` one-hot entries and was kept to 1,024.
+PREFERRED_UP_TO = MAX_SLOTS
+FILL_CHUNK = 1024  # padding entries written per iteration
+BLOCKS_CHUNK = 64  # blocks whose expert is resolved per iteration
 
 
 @triton.jit
-def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, num_blocks_ptr,
+def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, num_blocks_ptr, shift_ptr,
                   num_slots, num_experts, padded,
-                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                  BLOCKS_CHUNK: tl.constexpr):
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, S_PAD: tl.constexpr,
+                  FILL_CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
     experts = tl.arange(0, E_PAD)  # [E]
-    rows = tl.arange(0, CHUNK)  # [C]
+    position = tl.arange(0, S_PAD)  # [S]
+    in_range = position < num_slots
 
-    # 1. slots per expert
-    counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for start in range(0, num_slots, CHUNK):
-        ids = tl.load(ids_ptr + start + rows, mask=start + rows < num_slots, other=-1)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    # 1. slots per expert (the S_PAD - S out-of-range lanes read expert 0: taken back off)
+    ids = tl.load(ids_ptr + position, mask=in_range, other=0).to(tl.int32)  # [S]
+    counts = tl.histogram(ids, E_PAD)  # [E]
+    counts -= tl.where(experts == 0, S_PAD - num_slots, 0)
 
-    # 2. padded runs: expert e owns blocks [ends[e] - blocks[e], ends[e])
+    # 2. padded runs: expert e owns blocks [ends[e] - blocks[e], ends[e]); the padding
+    #    inserted before e's run is its padded start minus its sorted start
     blocks = (counts + BLOCK_M - 1) // BLOCK_M  # [E]
     ends = tl.cumsum(blocks, axis=0)  # [E]
-    run_starts = (ends - blocks) * BLOCK_M  # [E] first entry of each expert's run
+    sorted_starts = tl.cumsum(counts, axis=0) - counts  # [E]
+    tl.store(shift_ptr + experts, (ends - blocks) * BLOCK_M - sorted_starts)
     tl.store(num_blocks_ptr, tl.sum(blocks, axis=0).to(tl.int64))
     for first in range(0, padded // BLOCK_M, BLOCKS_CHUNK):
         block = first + tl.arange(0, BLOCKS_CHUNK)  # [B]
@@ -51,21 +56,19 @@ def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, num_blocks_ptr,
                  mask=block < padded // BLOCK_M)
 
     # 3. every entry starts as padding (the sentinel num_slots) ...
-    for first in range(0, padded, CHUNK):
-        tl.store(slots_ptr + first + rows, tl.full([CHUNK], 0, tl.int64) + num_slots,
-                 mask=first + rows < padded)
+    for first in range(0, padded, FILL_CHUNK):
+        entry = first + tl.arange(0, FILL_CHUNK)
+        tl.store(slots_ptr + entry, tl.full([FILL_CHUNK], 0, tl.int64) + num_slots,
+                 mask=entry < padded)
     tl.debug_barrier()
 
-    # 4. ... then each slot goes to its run start plus its rank within its expert
-    seen = tl.zeros([E_PAD], dtype=tl.int32)  # slots of each expert in earlier chunks
-    for start in range(0, num_slots, CHUNK):
-        slot = start + rows
-        ids = tl.load(ids_ptr + slot, mask=slot < num_slots, other=-1)
-        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [C, E]
-        before = tl.cumsum(onehot, axis=0) - onehot + seen[None, :]  # [C, E]
-        dest = tl.sum(onehot * (run_starts[None, :] + before), axis=1)  # [C]
-        tl.store(slots_ptr + dest, slot.to(tl.int64), mask=slot < num_slots)
-        seen += tl.sum(onehot, axis=0)
+    # 4. ... then the slots sorted by (expert, slot) go to their position plus their
+    #    expert's shift; out-of-range lanes sort last (key E_PAD * S_PAD) and are dropped
+    keys = tl.where(in_range, ids * S_PAD + position, E_PAD * S_PAD)  # [S]
+    keys = tl.sort(keys)
+    expert, slot = keys // S_PAD, keys % S_PAD
+    dest = position + tl.load(shift_ptr + expert, mask=in_range, other=0)
+    tl.store(slots_ptr + dest, slot.to(tl.int64), mask=in_range)
 
 
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> SortedSlots:
@@ -79,8 +82,12 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     slots = torch.empty(padded, dtype=torch.int64, device=device)
     block_experts = torch.empty(padded // block_m, dtype=torch.int64, device=device)
     num_blocks = torch.empty(1, dtype=torch.int64, device=device)
+    expert_pad = triton.next_power_of_2(num_experts)
+    shift = torch.empty(expert_pad, dtype=torch.int32, device=device)  # [E] scratch
+    slot_pad = max(triton.next_power_of_2(num_slots), 16)
     _align_kernel[(1,)](
-        topk_ids.reshape(-1), slots, block_experts, num_blocks, num_slots, num_experts, padded,
-        BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts), CHUNK=CHUNK,
-        BLOCKS_CHUNK=64, num_warps=4)
+        topk_ids.reshape(-1), slots, block_experts, num_blocks, shift,
+        num_slots, num_experts, padded,
+        BLOCK_M=block_m, E_PAD=expert_pad, S_PAD=slot_pad, FILL_CHUNK=FILL_CHUNK,
+        BLOCKS_CHUNK=BLOCKS_CHUNK, num_warps=4 if slot_pad <= 1024 else 8)
     return SortedSlots(slots, block_experts, num_blocks)
