@@ -3,6 +3,8 @@ against a token-by-token reference."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,3 +45,20 @@ def test_router_renormalises_top_k_in_fp32():
     weights, ids = moe.moe_router(torch.randn(3, E), top_k=K, renormalize=True)
     torch.testing.assert_close(weights.sum(-1), torch.ones(3))
     assert ids.shape == (3, K)
+
+
+def test_input_projection_shards_start_16_byte_aligned():
+    """The packed router / shared-expert projection of the real geometry: its 1,281 rows are
+    padded to a multiple of 8 with the one-row gate last, so the bf16 output rows and every
+    wide shard start on 16 bytes (cuBLAS otherwise picks its slow ``align1`` kernels), and
+    ``split`` drops the padding."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    kernels = SimpleNamespace(moe_router=moe.moe_router, fused_moe=moe.fused_moe)
+    with torch.device("meta"):
+        block = moe.SparseMoeBlock(Qwen3_5MoeTextConfig(), kernels, renormalize=True)
+    proj = block.input_proj
+    assert proj.out_features == 1288
+    assert [offset % 8 for offset, size in proj.shard_offsets.values() if size > 1] == [0, 0, 0]
+    shards = proj.split(torch.zeros(3, proj.out_features))
+    assert [s.shape[-1] for s in shards] == [256, 512, 512, 1]

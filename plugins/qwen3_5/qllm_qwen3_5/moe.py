@@ -137,28 +137,28 @@ INPUT_PROJ_SHARDS = {"gate": "router", "shared_expert_gate": "shared_expert_gate
 
 class SparseMoeBlock(nn.Module):
     """Routed experts plus a gated shared expert. ``input_proj`` packs the rows of HF's
-    ``gate`` (router), ``shared_expert_gate`` and ``shared_expert.{gate,up}_proj``
-    (``INPUT_PROJ_SHARDS``); ``shared_expert.down_proj`` keeps its name."""
+    ``gate`` (router), ``shared_expert.{gate,up}_proj`` and ``shared_expert_gate``
+    (``INPUT_PROJ_SHARDS``), the one-row gate last and the rows padded to a multiple of 8 so
+    that every wide shard starts 16-byte aligned; ``shared_expert.down_proj`` keeps its
+    name."""
 
     def __init__(self, config, kernels: Kernels, renormalize: bool):
         super().__init__()
         shared = config.shared_expert_intermediate_size
         self.input_proj = PackedLinear(config.hidden_size, {
-            "router": config.num_experts, "shared_expert_gate": 1, "shared_gate": shared,
-            "shared_up": shared})
+            "router": config.num_experts, "shared_gate": shared, "shared_up": shared,
+            "shared_expert_gate": 1}, row_multiple=8)
         self.router = Router(config.num_experts_per_tok, renormalize, kernels)
         self.experts = Experts(config.num_experts, config.hidden_size,
                                config.moe_intermediate_size, kernels)
         self.shared_expert = nn.ModuleDict(
             {"down_proj": nn.Linear(shared, config.hidden_size, bias=False)})
-        self.num_experts = config.num_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``."""
-        projected = self.input_proj(x)  # [T, E + 1 + 2 I_shared]
-        router_logits, shared_gate, shared_gate_up = projected.split(
-            [self.num_experts, 1, projected.shape[-1] - self.num_experts - 1], dim=-1)
+        router_logits, shared_gate, shared_up, shared_expert_gate = self.input_proj.split(
+            self.input_proj(x))  # [T, E], [T, I_shared] x 2, [T, 1]
         weights, ids = self.router(router_logits)  # [T, k] each
         routed = self.experts(x, weights, ids)
-        shared = self.shared_expert["down_proj"](silu_and_mul(shared_gate_up))
-        return routed + torch.sigmoid(shared_gate) * shared
+        shared = self.shared_expert["down_proj"](F.silu(shared_gate) * shared_up)
+        return routed + torch.sigmoid(shared_expert_gate) * shared
