@@ -160,7 +160,7 @@ class ModelRunner:
                     previous: SampledStep | None = None) -> torch.Tensor:
         """Queue the forward pass of one step: logits ``[N, V]`` of the sequences whose every
         position is then computed. Decode replays the CUDA graph of its batch-size bucket
-        where one exists; prefill runs eagerly."""
+        where one exists; prefill runs the layers eagerly (see the class docstring)."""
         bucket = self.graphs.bucket(len(scheduled)) \
             if self.graphs is not None and not scheduled.is_prefill else None
         if bucket is not None:
