@@ -1,5 +1,5 @@
-"""The start-up warm-up: one full-size prefill step of dummy prompts, then one prefill step
-per power of two below it; nothing left behind (cache, prefix hashes, requests, counters)
+"""The start-up warm-up: one full-size prefill step of dummy prompts, then prefill steps of 1
+and 17 tokens and one per power of two below the full size; nothing left behind (cache, prefix hashes, requests, counters)
 and unchanged outputs."""
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def test_warm_up_runs_full_prefill_then_ladder_and_leaves_nothing_behind(qwen3_d
     assert launched[0] == (True, 512), "the first warm-up step should be a full prefill"
     assert any(not is_prefill for is_prefill, _ in launched), "and a decode step should run"
     prefill_sizes = [n for is_prefill, n in launched if is_prefill]
-    assert prefill_sizes == [512, 16, 32, 64, 128, 256], "then one prefill per power of two"
+    assert prefill_sizes == [512, 1, 17, 16, 32, 64, 128, 256], \
+        "then the odd sizes and one prefill per power of two"
     assert_cache_free(llm)
     assert not engine.cache.pools["paged_kv"].manager.cached, "warm-up prefixes must go"
     assert not engine.sequences and engine.scheduler.num_preemptions == 0

@@ -68,18 +68,20 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         """Serve dummy prompts that fill one prefill step (``max_num_batched_tokens`` tokens,
-        up to ``max_num_seqs`` prompts) and decode, then prefill steps of every power of two
-        from 16 tokens up to that size, then forget their cached prefixes. Kernels compile
-        and tune here, at start-up, for the shapes of a full prefill and for the token
-        counts that select their tile configs (the MoE kernels' table is keyed by powers of
-        two), rather than inside the first requests of each size."""
+        up to ``max_num_seqs`` prompts) and decode, then prefill steps of 1 and 17 tokens and
+        of every power of two from 16 tokens up to the full size, then forget their cached
+        prefixes. Kernels compile and tune here, at start-up, rather than inside the first
+        requests of each kind: the full prefill's shapes; the token counts that select tile
+        configs (the MoE kernels' table is keyed by powers of two); and the odd sizes, since
+        Triton compiles a variant per integer argument equal to 1 or not divisible by 16,
+        and torch.compile specialises the compiled prefill regions on a size of 1."""
         start = time.perf_counter()
         config = self.config
         count = min(config.max_num_seqs, 16)
         longest = max(1, min(config.max_model_len - 2, config.max_num_batched_tokens))
         length = max(1, min(longest, config.max_num_batched_tokens // count))
         self._serve_dummy([length] * count)
-        ladder = [1 << k for k in range(4, 32) if 1 << k < length * count]
+        ladder = [1, 17] + [1 << k for k in range(4, 32) if 1 << k < length * count]
         for size in ladder:  # prompts of at most `longest` tokens that sum to `size`
             full, rest = divmod(size, longest)
             self._serve_dummy([longest] * full + ([rest] if rest else []))
