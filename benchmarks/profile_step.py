@@ -6,7 +6,9 @@ tokens each, after a warm-up request). Then
 (a) times ``--steps`` steps as the engine runs them (decode: CUDA graphs when captured),
 (b) profiles the next ``--steps``: GPU busy time per step and the idle gaps between kernels,
 (c) sums kernel time by op kind (GDN, attention, MoE, GEMM, sampling, other) per step.
-Writes a Chrome trace and the top-kernel table under ``--out``.
+Writes a Chrome trace, the top-kernel table and the kernel sequence of the last profiled
+step (duration, idle gap before it, op kind, name: one layer's kernels read top to bottom)
+under ``--out``.
 
     python benchmarks/profile_step.py --workload w1 --batch 256 --context 1100
     python benchmarks/profile_step.py --workload w2 --batch 200 --context 2000
@@ -91,6 +93,18 @@ def busy_and_gaps(intervals) -> tuple[float, float, int]:
     return busy, idle, gaps
 
 
+def write_sequence(path: str, intervals, kernels_per_step: int) -> None:
+    """The last ``kernels_per_step`` kernels, one line each: ``duration_us gap_us kind name``."""
+    last = intervals[-kernels_per_step:]
+    with open(path, "w") as f:
+        f.write(f"{'us':>8} {'gap_us':>7}  {'kind':<9} kernel\n")
+        previous_end = None
+        for start, end, name in last:
+            gap = start - previous_end if previous_end is not None else 0.0
+            f.write(f"{end - start:8.1f} {gap:7.1f}  {op_kind(name):<9} {name[:140]}\n")
+            previous_end = end
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -131,6 +145,8 @@ def main() -> None:
     with open(os.path.join(args.out, f"kernels-{tag}.txt"), "w") as f:
         f.write(table)
     intervals = kernel_intervals(prof)
+    write_sequence(os.path.join(args.out, f"sequence-{tag}.txt"), intervals,
+                   len(intervals) // args.steps)
     busy, idle, gaps = busy_and_gaps(intervals)
     by_kind: dict[str, float] = {}
     for start_us, end_us, name in intervals:
