@@ -3,9 +3,11 @@ sort, search and scan kernels of the torch version; the same output, entry for e
 
 The program holds every slot's key ``expert * S_PAD + slot`` in registers and sorts them
 (``tl.sort``, a bitonic network): the sorted keys are the slots grouped by expert, ascending
-within an expert, as in the torch version's stable sort. A histogram of the expert ids gives
-each expert's sorted start and padded run start; a sorted slot at position ``p`` of expert
-``e`` lands at ``p`` plus the padding inserted before ``e``'s run. The work is
+within an expert, as in the torch version's stable sort. Per-expert counts (atomic adds into
+a scratch row: the order of the adds does not change a count) give each expert's sorted
+start and padded run start; a sorted slot at position ``p`` of expert ``e`` lands at ``p``
+plus the padding inserted before ``e``'s run. (``tl.histogram`` would count in registers,
+but its lowering has had bugs with replicated layouts, which small batches produce.) The work is
 ``S log^2 S`` compare-exchanges plus ``E`` per expert, so one program serves up to
 ``MAX_SLOTS`` slots (decode batches of up to 512 tokens at top-8); larger (prefill) batches
 take the torch version.
@@ -29,7 +31,7 @@ BLOCKS_CHUNK = 64  # blocks whose expert is resolved per iteration
 
 
 @triton.jit
-def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, num_blocks_ptr, shift_ptr,
+def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, num_blocks_ptr, counts_ptr, shift_ptr,
                   num_slots, num_experts, padded,
                   BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, S_PAD: tl.constexpr,
                   FILL_CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
@@ -37,10 +39,13 @@ def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, num_blocks_ptr, shift_p
     position = tl.arange(0, S_PAD)  # [S]
     in_range = position < num_slots
 
-    # 1. slots per expert (the S_PAD - S out-of-range lanes read expert 0: taken back off)
+    # 1. slots per expert
     ids = tl.load(ids_ptr + position, mask=in_range, other=0).to(tl.int32)  # [S]
-    counts = tl.histogram(ids, E_PAD)  # [E]
-    counts -= tl.where(experts == 0, S_PAD - num_slots, 0)
+    tl.store(counts_ptr + experts, tl.zeros([E_PAD], dtype=tl.int32))
+    tl.debug_barrier()
+    tl.atomic_add(counts_ptr + ids, tl.full([S_PAD], 1, tl.int32), mask=in_range)
+    tl.debug_barrier()
+    counts = tl.load(counts_ptr + experts, volatile=True)  # [E], written by the atomics
 
     # 2. padded runs: expert e owns blocks [ends[e] - blocks[e], ends[e]); the padding
     #    inserted before e's run is its padded start minus its sorted start
@@ -67,7 +72,7 @@ def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, num_blocks_ptr, shift_p
     keys = tl.where(in_range, ids * S_PAD + position, E_PAD * S_PAD)  # [S]
     keys = tl.sort(keys)
     expert, slot = keys // S_PAD, keys % S_PAD
-    dest = position + tl.load(shift_ptr + expert, mask=in_range, other=0)
+    dest = position + tl.load(shift_ptr + expert, mask=in_range, other=0, volatile=True)
     tl.store(slots_ptr + dest, slot.to(tl.int64), mask=in_range)
 
 
@@ -83,10 +88,10 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     block_experts = torch.empty(padded // block_m, dtype=torch.int64, device=device)
     num_blocks = torch.empty(1, dtype=torch.int64, device=device)
     expert_pad = triton.next_power_of_2(num_experts)
-    shift = torch.empty(expert_pad, dtype=torch.int32, device=device)  # [E] scratch
+    counts, shift = torch.empty(2, expert_pad, dtype=torch.int32, device=device)  # scratch
     slot_pad = max(triton.next_power_of_2(num_slots), 16)
     _align_kernel[(1,)](
-        topk_ids.reshape(-1), slots, block_experts, num_blocks, shift,
+        topk_ids.reshape(-1), slots, block_experts, num_blocks, counts, shift,
         num_slots, num_experts, padded,
         BLOCK_M=block_m, E_PAD=expert_pad, S_PAD=slot_pad, FILL_CHUNK=FILL_CHUNK,
         BLOCKS_CHUNK=BLOCKS_CHUNK, num_warps=4 if slot_pad <= 1024 else 8)
