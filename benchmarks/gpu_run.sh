@@ -4,7 +4,9 @@
 #   bash benchmarks/gpu_run.sh gpu-tests w1 profile-w1 kernel-tests
 # Stages (each killed after its time limit, so one hang does not cost the call):
 #   gpu-tests: Qwen3 and Qwen3.5 model tests on CUDA; kernel-tests: kernel parity tests;
-#   kernels: kernel micro-benchmarks; w1, w2, w3: throughput.py; w1-peer, w2-peer, w3-peer:
+#   kernels: kernel micro-benchmarks; w1, w2, w3: throughput.py, then a decode-step profile
+#   on the same engine (W1 batch 256 x 1,100, W2 200 x 2,000, W3 1 x 512; files in $OUT);
+#   w1-peer, w2-peer, w3-peer:
 #   transformers on the same workload; w1-sync: W1 without async scheduling; w2, w3 and
 #   their profiles keep the GDN state in bf16, as vLLM's anchors do (WORKLOADS.md), and
 #   w2-fp32-state runs W2 with the fp32 default; profile-w1/w2/w3, profile-w1-prefill,
@@ -49,11 +51,13 @@ for stage in "$@"; do
         kernels) run bench_attention 100 python3 benchmarks/bench_attention.py
                  run bench_moe 100 python3 benchmarks/bench_moe.py
                  run bench_gdn 100 python3 benchmarks/bench_gdn.py ;;
-        w1) run w1 240 python3 benchmarks/throughput.py --workload w1 ;;
+        w1) run w1 300 python3 benchmarks/throughput.py --workload w1 \
+                --profile-decode 256 1100 --profile-out "$out" ;;
         w1-peer) run w1_peer 200 python3 benchmarks/throughput.py --workload w1 \
                      --engine transformers --peer-prompts 64 --peer-max-tokens 256 ;;
-        w2) run w2 300 python3 benchmarks/throughput.py --workload w2 --max-num-seqs 200 \
-                --max-model-len 3072 --recurrent-state-dtype bfloat16 ;;
+        w2) run w2 360 python3 benchmarks/throughput.py --workload w2 --max-num-seqs 200 \
+                --max-model-len 3072 --recurrent-state-dtype bfloat16 \
+                --profile-decode 200 2000 --profile-out "$out" ;;
         w2-peer) run w2_peer 200 python3 benchmarks/throughput.py --workload w2 \
                      --engine transformers --peer-prompts 32 --peer-batch 32 \
                      --peer-max-tokens 200 ;;
@@ -66,8 +70,9 @@ for stage in "$@"; do
         tune-moe) run tune_moe 420 python3 benchmarks/bench_moe.py --tune --grid quick \
                       --tokens ${TUNE_TOKENS:-1 256}
                   cp plugins/kernels_moe/qllm_kernels_moe/configs/*.json "$out"/moe_configs.json ;;
-        w3) run w3 150 python3 benchmarks/throughput.py --workload w3 --max-num-seqs 1 \
-                --max-model-len 1024 --recurrent-state-dtype bfloat16 ;;
+        w3) run w3 200 python3 benchmarks/throughput.py --workload w3 --max-num-seqs 1 \
+                --max-model-len 1024 --recurrent-state-dtype bfloat16 \
+                --profile-decode 1 512 --profile-out "$out" ;;
         w3-peer) run w3_peer 150 python3 benchmarks/throughput.py --workload w3 \
                      --engine transformers --peer-batch 1 --peer-max-tokens 64 ;;
         profile-w1) run profile_w1 150 python3 benchmarks/profile_step.py --workload w1 \

@@ -8,7 +8,8 @@ tokens each, after a warm-up request). Then
 (c) sums kernel time by op kind (GDN, attention, MoE, GEMM, sampling, other) per step.
 Writes a Chrome trace, the top-kernel table and the kernel sequence of the last profiled
 step (duration, idle gap before it, op kind, name: one layer's kernels read top to bottom)
-under ``--out``.
+under ``--out``. ``throughput.py --profile-decode`` runs the same profile on the engine of a
+throughput run (no second start-up).
 
     python benchmarks/profile_step.py --workload w1 --batch 256 --context 1100
     python benchmarks/profile_step.py --workload w2 --batch 200 --context 2000
@@ -26,7 +27,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from throughput import commit, workload, write_config
+from workloads import commit, workload, write_config
 
 # Kernel-name fragments -> op kind, first match wins.
 OP_KINDS = [
@@ -44,28 +45,26 @@ def op_kind(kernel: str) -> str:
     return next((kind for kind, parts in OP_KINDS if any(p in name for p in parts)), "other")
 
 
-def ready_engine(args):
-    """An engine with ``args.batch`` sequences queued; for ``--phase decode`` also prefilled,
-    so that every following step decodes."""
-    from qllm import LLM, SamplingParams
+def model_len_needed(context: int, steps: int) -> int:
+    """The ``max_model_len`` that ``queue_requests`` needs."""
+    return context + 4 * steps + 64
 
-    config, _, _ = workload(args.workload)
-    llm = LLM(write_config(config, args.num_layers), load_format="dummy", dtype="bfloat16",
-              max_num_seqs=args.batch, max_model_len=args.context + 4 * args.steps + 64,
-              enforce_eager=args.enforce_eager, recurrent_state_dtype=args.recurrent_state_dtype)
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    engine = llm.engine
+
+def queue_requests(engine, phase: str, batch: int, context: int, steps: int) -> None:
+    """Queue ``batch`` sequences of ``context`` random prompt tokens; for ``phase ==
+    "decode"`` also prefill them, so that every following step decodes."""
+    from qllm import SamplingParams
+
     rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=4 * args.steps + 16, ignore_eos=True)
-    for _ in range(args.batch):
-        engine.add_request([rng.randint(0, 9999) for _ in range(args.context)], params)
-    if args.phase == "decode":
+    params = SamplingParams(temperature=0, max_tokens=4 * steps + 16, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request([rng.randint(0, 9999) for _ in range(context)], params)
+    if phase == "decode":
         while engine.scheduler.waiting or any(len(s) == s.num_prompt_tokens
                                               for s in engine.scheduler.running):
             engine.step()
         for _ in range(3):  # warm-up
             engine.step()
-    return llm
 
 
 def kernel_intervals(prof) -> list[tuple[float, float, str]]:
@@ -105,6 +104,51 @@ def write_sequence(path: str, intervals, kernels_per_step: int) -> None:
             previous_end = end
 
 
+def profile_steps(engine, tag: str, steps: int, out: str) -> dict:
+    """Time ``steps`` engine steps, then profile ``steps`` more; write the trace, the kernel
+    table and the last step's kernel sequence under ``out`` (file names carry ``tag``), print
+    the table, and return the figures (step time, kernels, GPU busy and idle, kernel time
+    per op kind)."""
+    def computed() -> int:
+        return sum(seq.num_computed_tokens for seq in engine.scheduler.running)
+
+    torch.cuda.synchronize()
+    before, start = computed(), time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    tokens_per_step = (computed() - before) / steps
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    os.makedirs(out, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(out, f"trace-{tag}.json"))
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    with open(os.path.join(out, f"kernels-{tag}.txt"), "w") as f:
+        f.write(table)
+    print(table)
+    intervals = kernel_intervals(prof)
+    write_sequence(os.path.join(out, f"sequence-{tag}.txt"), intervals,
+                   len(intervals) // steps)
+    busy, idle, gaps = busy_and_gaps(intervals)
+    by_kind: dict[str, float] = {}
+    for start_us, end_us, name in intervals:
+        kind = op_kind(name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + (end_us - start_us)
+    return {
+        "graphs": engine.runner.graphs is not None, "tokens_per_step": tokens_per_step,
+        "step_ms": round(step_ms, 3), "tok_per_s": round(tokens_per_step / step_ms * 1e3, 1),
+        "kernels_per_step": len(intervals) // steps,
+        "gpu_busy_ms_per_step": round(busy / steps / 1e3, 3),
+        "gpu_idle_between_kernels_ms_per_step": round(idle / steps / 1e3, 3),
+        "gaps_over_5us_per_step": gaps // steps,
+        "kernel_ms_per_step_by_kind": {k: round(v / steps / 1e3, 3)
+                                       for k, v in sorted(by_kind.items())}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -119,52 +163,21 @@ def main() -> None:
                         help="GDN state dtype of hybrid models (float32 or bfloat16)")
     parser.add_argument("--out", default=os.environ.get("OUT", "profile-out"))
     args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
 
-    llm = ready_engine(args)
-    engine = llm.engine
+    from qllm import LLM, SamplingParams
 
-    def computed() -> int:
-        return sum(seq.num_computed_tokens for seq in engine.scheduler.running)
-
-    torch.cuda.synchronize()
-    before, start = computed(), time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - start) / args.steps * 1e3
-    tokens_per_step = (computed() - before) / args.steps
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            engine.step()
-        torch.cuda.synchronize()
+    config, _, _ = workload(args.workload)
+    llm = LLM(write_config(config, args.num_layers), load_format="dummy", dtype="bfloat16",
+              max_num_seqs=args.batch, max_model_len=model_len_needed(args.context, args.steps),
+              enforce_eager=args.enforce_eager, recurrent_state_dtype=args.recurrent_state_dtype)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    queue_requests(llm.engine, args.phase, args.batch, args.context, args.steps)
     tag = f"{args.workload}-{args.phase}-b{args.batch}-ctx{args.context}"
-    prof.export_chrome_trace(os.path.join(args.out, f"trace-{tag}.json"))
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
-    with open(os.path.join(args.out, f"kernels-{tag}.txt"), "w") as f:
-        f.write(table)
-    intervals = kernel_intervals(prof)
-    write_sequence(os.path.join(args.out, f"sequence-{tag}.txt"), intervals,
-                   len(intervals) // args.steps)
-    busy, idle, gaps = busy_and_gaps(intervals)
-    by_kind: dict[str, float] = {}
-    for start_us, end_us, name in intervals:
-        kind = op_kind(name)
-        by_kind[kind] = by_kind.get(kind, 0.0) + (end_us - start_us)
-    print(table)
+    figures = profile_steps(llm.engine, tag, args.steps, args.out)
     print(json.dumps({
         "workload": args.workload, "phase": args.phase, "batch": args.batch,
-        "context": args.context, "tokens_per_step": tokens_per_step,
-        "num_layers": args.num_layers, "graphs": engine.runner.graphs is not None,
-        "recurrent_state_dtype": args.recurrent_state_dtype,
-        "step_ms": round(step_ms, 3), "tok_per_s": round(tokens_per_step / step_ms * 1e3, 1),
-        "kernels_per_step": len(intervals) // args.steps,
-        "gpu_busy_ms_per_step": round(busy / args.steps / 1e3, 3),
-        "gpu_idle_between_kernels_ms_per_step": round(idle / args.steps / 1e3, 3),
-        "gaps_over_5us_per_step": gaps // args.steps,
-        "kernel_ms_per_step_by_kind": {k: round(v / args.steps / 1e3, 3)
-                                       for k, v in sorted(by_kind.items())},
+        "context": args.context, "num_layers": args.num_layers,
+        "recurrent_state_dtype": args.recurrent_state_dtype, **figures,
         "commit": commit(), "date": time.strftime("%Y-%m-%d")}), flush=True)
 
 

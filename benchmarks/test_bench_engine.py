@@ -43,13 +43,15 @@ def test_block_allocation_and_release(benchmark):
 
 @pytest.fixture(scope="module")
 def decode_engine(tmp_path_factory):
-    """An engine on a tiny model with 256 running sequences, ready to decode."""
+    """An engine on a tiny model with 256 running sequences, ready to decode. Scheduling is
+    synchronous, so every input token is on the host when a step's metadata is built."""
     from helpers import save_tiny_qwen3
     from qllm import LLM
 
     path = tmp_path_factory.mktemp("bench-qwen3")
     save_tiny_qwen3(path, max_position_embeddings=2048)
-    llm = LLM(str(path), max_num_seqs=BATCH, max_model_len=2048, block_size=256)
+    llm = LLM(str(path), max_num_seqs=BATCH, max_model_len=2048, block_size=256,
+              async_scheduling=False)
     engine = llm.engine
     for seq in w1_like_sequences():
         engine.add_request([t % 512 for t in seq.token_ids], SamplingParams(max_tokens=10_000,
@@ -81,7 +83,7 @@ def test_w1_decode_step_cuda(benchmark):
     """One whole W1 decode step (Qwen3-0.6B geometry, dummy weights, batch 256, ~600-token
     contexts): graph replay, sampling and the host sync included."""
     from qllm import LLM
-    from throughput import QWEN3_0_6B, write_config
+    from workloads import QWEN3_0_6B, write_config
 
     llm = LLM(write_config(QWEN3_0_6B, None), load_format="dummy", dtype="bfloat16",
               max_num_seqs=BATCH, max_model_len=2048)

@@ -7,7 +7,10 @@ real geometry (``load_format="dummy"`` on a config.json this script writes).
         --peer-batch 32 --peer-max-tokens 200
 
 Prints one JSON line per run: engine, workload, tokens, seconds, tok/s, peak memory, commit;
-for qllm also the timed run's steps split into prefill and decode (``StepTimeline``).
+for qllm also the timed run's steps split into prefill and decode (``StepTimeline``). With
+``--profile-decode BATCH CONTEXT`` the same engine then profiles decode steps at that batch
+and context (``profile_step.py``; figures under ``decode_profile``, files under ``$OUT``),
+which saves a second start-up.
 """
 
 from __future__ import annotations
@@ -15,58 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
-QWEN3_0_6B = dict(
-    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
-    intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-    head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
-    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, hidden_act="silu",
-    attention_bias=False, dtype="bfloat16", eos_token_id=151645, bos_token_id=151643)
-
-QWEN3_5_35B_A3B = dict(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text",
-                       dtype="bfloat16")
-
-
-def workload(name: str):
-    """``(config dict, prompts, per-prompt (max_tokens, temperature))`` of a workload."""
-    random.seed(0)
-    if name == "w1":  # identical to nano-vllm's bench.py
-        prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
-                   for _ in range(256)]
-        params = [(random.randint(100, 1024), 0.6) for _ in range(256)]
-        return QWEN3_0_6B, prompts, params
-    if name == "w2":
-        prompts = [[random.randint(0, 9999) for _ in range(1000)] for _ in range(200)]
-        return QWEN3_5_35B_A3B, prompts, [(2000, 0.0)] * 200
-    if name == "w3":
-        prompts = [[random.randint(0, 9999) for _ in range(512)]]
-        return QWEN3_5_35B_A3B, prompts, [(256, 0.0)]
-    raise ValueError(f"unknown workload {name!r}")
-
-
-def write_config(config: dict, num_layers: int | None) -> str:
-    path = tempfile.mkdtemp(prefix="qllm-bench-")
-    config = dict(config)
-    if num_layers:
-        config["num_hidden_layers"] = num_layers
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    return path
-
-
-def commit() -> str:
-    try:
-        return subprocess.check_output(["git", "describe", "--always", "--dirty"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+import profile_step
+from workloads import commit, workload, write_config
 
 
 def run_qllm(model_dir: str, prompts, params, args) -> dict:
@@ -91,6 +49,13 @@ def run_qllm(model_dir: str, prompts, params, args) -> dict:
     timeline = StepTimeline(llm.engine)
     outputs, seconds = _timed(llm, prompts, sampling)
     result["steps"] = timeline.summary()
+    if args.profile_decode:
+        batch, context = args.profile_decode
+        profile_step.queue_requests(llm.engine, "decode", batch, context, args.profile_steps)
+        tag = f"{args.workload}-decode-b{batch}-ctx{context}"
+        result["decode_profile"] = {"batch": batch, "context": context, **profile_step.
+                                    profile_steps(llm.engine, tag, args.profile_steps,
+                                                  args.profile_out)}
     tokens = sum(len(o["token_ids"]) for o in outputs)
     if len(prompts) == 1:
         result["decode_tok_per_s"] = round((tokens - 1) / (seconds - result["ttft_seconds"]), 1)
@@ -202,7 +167,19 @@ def main() -> int:
     parser.add_argument("--peer-batch", type=int, default=64)
     parser.add_argument("--peer-max-tokens", type=int,
                         help="cap the peer's generated tokens per prompt (a shorter peer run)")
+    parser.add_argument("--profile-decode", nargs=2, type=int, metavar=("BATCH", "CONTEXT"),
+                        help="qllm: after the timed run, profile decode steps at this batch "
+                             "and prompt length on the same engine")
+    parser.add_argument("--profile-steps", type=int, default=10)
+    parser.add_argument("--profile-out", default=os.environ.get("OUT", "profile-out"))
     args = parser.parse_args()
+    if args.profile_decode:
+        batch, context = args.profile_decode
+        if batch > args.max_num_seqs or profile_step.model_len_needed(
+                context, args.profile_steps) > args.max_model_len:
+            parser.error(f"--profile-decode {batch} {context} needs --max-num-seqs >= {batch} "
+                         f"and --max-model-len >= "
+                         f"{profile_step.model_len_needed(context, args.profile_steps)}")
     if not torch.cuda.is_available():
         print("throughput.py needs a CUDA device", file=sys.stderr)
         return 2
