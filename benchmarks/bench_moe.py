@@ -64,11 +64,13 @@ def time_ms(call, graph: bool, rep: int = 100) -> float:
 
 
 def traffic(inputs: MoeInputs) -> tuple[int, int]:
-    """(bytes, flops) of one call: each expert hit read once, x read, out written; three
-    matmuls (gate, up, down) per routed slot."""
+    """(bytes, flops) of one call: each expert hit read once, x read, the per-slot output
+    ``[T, k, H]`` written; three matmuls (gate, up, down) per routed slot."""
     expert_params = 3 * INTER * HIDDEN
     experts_hit = inputs.topk_ids.unique().numel()
-    nbytes = (experts_hit * expert_params + 2 * inputs.x.numel()) * inputs.x.element_size()
+    out_numel = inputs.topk_ids.numel() * HIDDEN
+    nbytes = (experts_hit * expert_params + inputs.x.numel() + out_numel) \
+        * inputs.x.element_size()
     return nbytes, 2 * inputs.topk_ids.numel() * expert_params
 
 

@@ -1,5 +1,5 @@
 """The plugin's plain-torch ``fused_moe`` kernel, eager (grouped) and compiled (dense) paths,
-against a token-by-token reference."""
+against a slot-by-slot reference; the MoE input projection's layout."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ E, H, INTER, K = 6, 16, 8, 2
 
 
 def naive_moe(x, w13, w2, topk_weights, topk_ids):
-    out = torch.zeros_like(x)
+    """Each slot's weighted expert output, ``[T, k, H]``, one (token, slot) at a time."""
+    out = torch.zeros(*topk_ids.shape, x.shape[1])
     for t in range(x.shape[0]):
-        for weight, e in zip(topk_weights[t], topk_ids[t].tolist()):
+        for j, (weight, e) in enumerate(zip(topk_weights[t], topk_ids[t].tolist())):
             gate, up = F.linear(x[t], w13[e]).chunk(2)
-            out[t] += weight * F.linear(F.silu(gate) * up, w2[e])
+            out[t, j] = weight * F.linear(F.silu(gate) * up, w2[e])
     return out
 
 
@@ -34,7 +35,7 @@ def routed_inputs(tokens: int, seed: int = 0):
 
 @pytest.mark.parametrize("path", ["grouped", "dense"])
 @pytest.mark.parametrize("tokens", [1, 5, 37], ids=lambda n: f"{n}-tokens")
-def test_fused_moe_matches_token_by_token(monkeypatch, path, tokens):
+def test_fused_moe_matches_slot_by_slot(monkeypatch, path, tokens):
     if path == "dense":  # the branch torch.compile takes, without paying for a compile
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     inputs = routed_inputs(tokens)

@@ -9,7 +9,9 @@ routing ``[T, k]`` (``S = T * k`` slots, slot ``t * k + j``):
    accumulators over the same ``x`` tile), epilogue ``silu(gate) * up`` -> ``hidden [S, I]``.
 3. ``down``: per block, ``hidden``'s rows times the expert's ``w2``, epilogue times the slot's
    routing weight -> ``expert_out [S, H]``.
-4. The k slots of a token are adjacent rows: ``expert_out.view(T, k, H).sum(1)``.
+4. The k slots of a token are adjacent rows: the op returns ``expert_out.view(T, k, H)``
+   and the model sums over ``k`` (fused by ``torch.compile`` into the elementwise work after
+   the MoE block in the decode step; deterministic, no atomics).
 
 Every launch size follows from the shapes (blocks past ``num_blocks`` exit at once), so the
 whole op is free of host syncs and capturable in a CUDA graph.
@@ -126,8 +128,9 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                      config: MoeConfig | None = None) -> torch.Tensor:
     """Routed SwiGLU experts, the same contract as the plain-torch ``fused_moe``: ``x [T, H]``,
-    ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``topk_weights`` / ``topk_ids [T, k]`` ->
-    ``[T, H]`` in ``x.dtype``. ``config`` defaults to the table entry for ``T``."""
+    ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``topk_weights`` / ``topk_ids [T, k]`` -> each
+    slot's weighted output ``[T, k, H]`` in ``x.dtype``. ``config`` defaults to the table
+    entry for ``T``."""
     tokens, hidden_size = x.shape
     num_experts, gate_up_rows, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -137,7 +140,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          f"{w13.stride()}, w2 {tuple(w2.shape)} strides {w2.stride()} for x "
                          f"{tuple(x.shape)}; expected contiguous [E, 2I, H] and [E, H, I]")
     if tokens == 0:
-        return x.new_zeros(x.shape)
+        return x.new_zeros(tokens, top_k, hidden_size)
     if config is None:
         config = get_config(tokens, num_experts, gate_up_rows, hidden_size, top_k)
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -146,4 +149,4 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     hidden = gate_up(x, w13, sorted_slots, top_k, config.BLOCK_M, config.up)  # [S, I]
     expert_out = down(hidden, w2, topk_weights.contiguous(), sorted_slots, config.BLOCK_M,
                       config.down)  # [S, H]
-    return expert_out.view(tokens, top_k, hidden_size).sum(dim=1)
+    return expert_out.view(tokens, top_k, hidden_size)

@@ -20,44 +20,45 @@ from qllm.plugins import Kernels
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-    """Routed SwiGLU experts: ``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows, then up rows),
-    ``w2 [E, H, I]``, ``topk_weights`` / ``topk_ids`` ``[T, k]`` -> ``[T, H]`` in ``x.dtype``.
+    """Routed SwiGLU experts, per slot: ``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows, then up
+    rows), ``w2 [E, H, I]``, ``topk_weights`` / ``topk_ids`` ``[T, k]`` -> ``[T, k, H]`` in
+    ``x.dtype``: slot ``(t, j)`` holds expert ``topk_ids[t, j]``'s output for token ``t``
+    times ``topk_weights[t, j]``. The caller sums over ``k``, where ``torch.compile`` fuses
+    the sum into the elementwise work that follows (a kernel fewer per layer than summing
+    inside an opaque GPU op).
 
-    Eagerly, tokens are grouped per expert (host sync; only the experts hit are computed).
+    Eagerly, slots are grouped per expert (host sync; only the experts hit are computed).
     Under ``torch.compile`` (the CUDA-graph decode step) every expert runs on every token and
-    a dense ``[T, E]`` combine matrix zeroes the unused ones: static shapes and no host sync,
-    but E/k times the work. GPU plugins are expected to replace this op.
+    each slot picks its expert's row: static shapes and no host sync, but E/k times the
+    work. GPU plugins are expected to replace this op.
     """
     weights = topk_weights.to(x.dtype)
     if torch.compiler.is_compiling():
         return _dense_moe(x, w13, w2, weights, topk_ids)
-    out = torch.zeros_like(x)
+    top_k = topk_ids.shape[1]
+    out = x.new_empty(topk_ids.numel(), x.shape[1])  # [T * k, H], row t * k + j
     flat_ids = topk_ids.flatten()  # [T * k]
-    order = flat_ids.argsort(stable=True)
+    order = flat_ids.argsort(stable=True)  # slots grouped by expert
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    token_of = order // topk_ids.shape[1]  # token row of each sorted (token, slot) pair
     weight_of = weights.flatten()[order]
     start = 0
     for e, count in enumerate(counts):
         if count == 0:
             continue
-        rows = token_of[start:start + count]  # [n], distinct within one expert
-        expert_out = F.linear(silu_and_mul(F.linear(x[rows], w13[e])), w2[e])  # [n, H]
-        # index_put_ rather than index_add_, which is very slow on CPU
-        out.index_put_((rows,), expert_out * weight_of[start:start + count, None],
-                       accumulate=True)
+        slots = order[start:start + count]  # [n]
+        expert_out = F.linear(silu_and_mul(F.linear(x[slots // top_k], w13[e])), w2[e])
+        out[slots] = expert_out * weight_of[start:start + count, None]  # [n, H]
         start += count
-    return out
+    return out.view(*topk_ids.shape, x.shape[1])
 
 
 def _dense_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                topk_ids: torch.Tensor) -> torch.Tensor:
-    """Every expert on every token, combined with the routing weights (zero where unrouted)."""
-    combine = torch.zeros(x.shape[0], w13.shape[0], dtype=x.dtype, device=x.device)
-    combine.scatter_add_(1, topk_ids, weights)  # [T, E]
+    """Every expert on every token; each slot takes its expert's output, times its weight."""
     hidden = silu_and_mul(torch.einsum("th,eoh->teo", x, w13))  # [T, E, I]
     out = torch.einsum("tei,ehi->teh", hidden, w2)  # [T, E, H]
-    return torch.einsum("te,teh->th", combine, out)
+    picked = out.gather(1, topk_ids[..., None].expand(-1, -1, out.shape[-1]))  # [T, k, H]
+    return picked * weights[..., None]
 
 
 class StackedExpertWeight(nn.Module):
@@ -100,6 +101,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]``, routing ``[T, k]`` -> each slot's weighted output ``[T, k, H]``."""
         return self._fused_moe(x, self.gate_up_proj.weight, self.down_proj.weight,
                                topk_weights, topk_ids)
 
@@ -159,6 +161,6 @@ class SparseMoeBlock(nn.Module):
         router_logits, shared_gate, shared_up, shared_expert_gate = self.input_proj.split(
             self.input_proj(x))  # [T, E], [T, I_shared] x 2, [T, 1]
         weights, ids = self.router(router_logits)  # [T, k] each
-        routed = self.experts(x, weights, ids)
+        routed = self.experts(x, weights, ids).sum(dim=1)  # [T, H]
         shared = self.shared_expert["down_proj"](F.silu(shared_gate) * shared_up)
         return routed + torch.sigmoid(shared_expert_gate) * shared
