@@ -33,5 +33,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return self._norm(x)
-        x = x + residual
+        # The add in fp32, rounded once: the same values as ``x + residual``, but inductor
+        # does not turn it into ``addmm`` with the matmul that produced ``x`` (cuBLAS would
+        # then first copy the residual into the output: one more kernel per layer; the add
+        # belongs in this norm's kernel, which reads both anyway).
+        x = (x.float() + residual.float()).to(x.dtype)
         return self._norm(x), x
