@@ -5,8 +5,9 @@ decode at batch 1/16/64/256 and a 4096-token prefill, routed like the model's ro
 of a softmax over random logits). Times are medians of ``triton.testing.do_bench`` (L2 flushed
 between calls). Decode runs in CUDA graphs in the engine, so its ``ms`` is a graph replay
 (``eager_ms``: plain calls, CPU launch cost included); prefill runs eagerly. ``align_ms`` is
-the torch slot sort alone, ``tr_align`` the one-program Triton sort where it applies. GB/s counts the bytes a call must move at least (the weights of every
-expert hit, read once, plus x and the output) against the H200's ~4.3 TB/s; TFLOP/s counts
+the torch slot sort alone, ``tr_align`` the one-program Triton sort where it applies. GB/s
+counts the bytes a call must move at least (the weights of every expert hit, read once, plus
+x and the per-slot output) against the H200's ~4.3 TB/s; TFLOP/s counts
 the three matmuls per routed slot. ``torch`` is the plain-torch reference (host-syncs, so
 eager only); ``max_err`` is the largest difference from it. Prints a table, then one JSON
 object per row.

@@ -59,9 +59,10 @@ def run_qllm(model_dir: str, prompts, params, args) -> dict:
     tokens = sum(len(o["token_ids"]) for o in outputs)
     if len(prompts) == 1:
         result["decode_tok_per_s"] = round((tokens - 1) / (seconds - result["ttft_seconds"]), 1)
+    graphs = llm.engine.runner.graphs
     return {**result, "tokens": tokens, "seconds": seconds, "startup_seconds": round(startup, 1),
             "kernels": llm.engine.kernels.names(),
-            "decode_graph_sizes": llm.engine.runner.graphs.sizes if llm.engine.runner.graphs else None}
+            "decode_graph_sizes": graphs.sizes if graphs else None}
 
 
 class StepTimeline:

@@ -106,9 +106,9 @@ def test_bf16_compiled_decode_logits_match_eager(checkpoint):
     """CUDA-graph decode with the kernel plugins against eager decode, teacher-forced on the
     eager engine's greedy tokens (16 prompts x 24 steps), so both see the same inputs at every
     step: logits cosine >= 0.999 on average and >= ``TWO_ROUNDINGS_COSINE`` per row, and the
-    same argmax unless the eager top two are within ``TIE_STD``. Free-running greedy outputs are no check here: at this geometry a bf16
-    rounding difference flips an expert choice now and then, and the continuations drift
-    apart after the first near-tie."""
+    same argmax unless the eager top two are within ``TIE_STD``. Free-running greedy outputs
+    are no check here: at this geometry a bf16 rounding difference flips an expert choice now
+    and then, and the continuations drift apart after the first near-tie."""
     path, _ = checkpoint
     prompts = random_prompts([5 + 53 * i for i in range(16)], vocab_size=VOCAB)
     eager = LLM(path, enforce_eager=True, **ENGINE)

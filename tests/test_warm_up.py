@@ -1,6 +1,6 @@
 """The start-up warm-up: one full-size prefill step of dummy prompts, then prefill steps of 1
-and 17 tokens and one per power of two below the full size; nothing left behind (cache, prefix hashes, requests, counters)
-and unchanged outputs."""
+and 17 tokens and one per power of two below the full size; nothing left behind (cache,
+prefix hashes, requests, counters) and unchanged outputs."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ within an expert, as in the torch version's stable sort. Per-expert counts (atom
 a scratch row: the order of the adds does not change a count) give each expert's sorted
 start and padded run start; a sorted slot at position ``p`` of expert ``e`` lands at ``p``
 plus the padding inserted before ``e``'s run. (``tl.histogram`` would count in registers,
-but its lowering has had bugs with replicated layouts, which small batches produce.) The work is
-``S log^2 S`` compare-exchanges plus ``E`` per expert, so one program serves up to
+but its lowering has had bugs with replicated layouts, which small batches produce.) The
+work is ``S log^2 S`` compare-exchanges plus ``E`` per expert, so one program serves up to
 ``MAX_SLOTS`` slots (decode batches of up to 512 tokens at top-8); larger (prefill) batches
 take the torch version.
 """
