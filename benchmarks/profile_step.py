@@ -94,7 +94,7 @@ def busy_and_gaps(intervals) -> tuple[float, float, int]:
 
 def write_sequence(path: str, intervals, kernels_per_step: int) -> None:
     """The last ``kernels_per_step`` kernels, one line each: ``duration_us gap_us kind name``."""
-    last = intervals[-kernels_per_step:]
+    last = intervals[len(intervals) - kernels_per_step:]  # not [-0:], the whole list
     with open(path, "w") as f:
         f.write(f"{'us':>8} {'gap_us':>7}  {'kind':<9} kernel\n")
         previous_end = None
@@ -131,8 +131,8 @@ def profile_steps(engine, tag: str, steps: int, out: str) -> dict:
         f.write(table)
     print(table)
     intervals = kernel_intervals(prof)
-    write_sequence(os.path.join(out, f"sequence-{tag}.txt"), intervals,
-                   len(intervals) // steps)
+    kernels_per_step = len(intervals) // steps
+    write_sequence(os.path.join(out, f"sequence-{tag}.txt"), intervals, kernels_per_step)
     busy, idle, gaps = busy_and_gaps(intervals)
     by_kind: dict[str, float] = {}
     for start_us, end_us, name in intervals:
@@ -141,7 +141,7 @@ def profile_steps(engine, tag: str, steps: int, out: str) -> dict:
     return {
         "graphs": engine.runner.graphs is not None, "tokens_per_step": tokens_per_step,
         "step_ms": round(step_ms, 3), "tok_per_s": round(tokens_per_step / step_ms * 1e3, 1),
-        "kernels_per_step": len(intervals) // steps,
+        "kernels_per_step": kernels_per_step,
         "gpu_busy_ms_per_step": round(busy / steps / 1e3, 3),
         "gpu_idle_between_kernels_ms_per_step": round(idle / steps / 1e3, 3),
         "gaps_over_5us_per_step": gaps // steps,

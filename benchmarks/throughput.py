@@ -53,9 +53,9 @@ def run_qllm(model_dir: str, prompts, params, args) -> dict:
         batch, context = args.profile_decode
         profile_step.queue_requests(llm.engine, "decode", batch, context, args.profile_steps)
         tag = f"{args.workload}-decode-b{batch}-ctx{context}"
-        result["decode_profile"] = {"batch": batch, "context": context, **profile_step.
-                                    profile_steps(llm.engine, tag, args.profile_steps,
-                                                  args.profile_out)}
+        figures = profile_step.profile_steps(llm.engine, tag, args.profile_steps,
+                                             args.profile_out)
+        result["decode_profile"] = {"batch": batch, "context": context, **figures}
     tokens = sum(len(o["token_ids"]) for o in outputs)
     if len(prompts) == 1:
         result["decode_tok_per_s"] = round((tokens - 1) / (seconds - result["ttft_seconds"]), 1)
@@ -176,11 +176,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.profile_decode:
         batch, context = args.profile_decode
-        if batch > args.max_num_seqs or profile_step.model_len_needed(
-                context, args.profile_steps) > args.max_model_len:
+        model_len = profile_step.model_len_needed(context, args.profile_steps)
+        if batch > args.max_num_seqs or model_len > args.max_model_len:
             parser.error(f"--profile-decode {batch} {context} needs --max-num-seqs >= {batch} "
-                         f"and --max-model-len >= "
-                         f"{profile_step.model_len_needed(context, args.profile_steps)}")
+                         f"and --max-model-len >= {model_len}")
     if not torch.cuda.is_available():
         print("throughput.py needs a CUDA device", file=sys.stderr)
         return 2
