@@ -3,7 +3,8 @@
 # stages named on the command line, logging each under $OUT (or ./gpu-out).
 #   bash benchmarks/gpu_run.sh gpu-tests w1 profile-w1 kernel-tests
 # Stages (each killed after its time limit, so one hang does not cost the call):
-#   gpu-tests: Qwen3 and Qwen3.5 model tests on CUDA; kernel-tests: kernel parity tests;
+#   gpu-tests: Qwen3 and Qwen3.5 model tests on CUDA; kernel-tests: kernel parity tests
+#   (moe-tests: the MoE ones alone, stopping at the first failure);
 #   kernels: kernel micro-benchmarks; w1, w2, w3: throughput.py, then a decode-step profile
 #   on the same engine (W1 batch 256 x 1,100, W2 200 x 2,000, W3 1 x 512; files in $OUT);
 #   w1-peer, w2-peer, w3-peer:
@@ -46,6 +47,7 @@ for stage in "$@"; do
                        tests/test_gpu_qwen3_5.py tests/test_gpu_qwen3.py ;;
         kernel-tests) run kernel_tests 300 python3 -m pytest $PYTEST_GPU \
                           tests/test_kernels_moe.py tests/test_kernels_gdn.py ;;
+        moe-tests) run moe_tests 200 python3 -m pytest $PYTEST_GPU -x tests/test_kernels_moe.py ;;
         attention-tests) run attention_tests 300 python3 -m pytest $PYTEST_GPU \
                              tests/test_kernels_attention.py ;;
         kernels) run bench_attention 100 python3 benchmarks/bench_attention.py
