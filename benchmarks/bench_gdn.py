@@ -17,10 +17,11 @@ at decode) against the H200's ~4.3 TB/s. ``max_err`` is the largest difference f
 reference's output. Prints a table, then one JSON object per row.
 
     python benchmarks/bench_gdn.py [--impl triton torch fla] [--batches 1 16 64 200]
-        [--ssm-dtype bfloat16] [--sweep-decode]
+        [--ssm-dtype bfloat16] [--sweep-decode | --sweep-conv]
 
 ``--sweep-decode`` times only the Triton decode kernel over its launch configurations (value
-dims per program x warps) at each batch size, to choose ``_launch_config``'s rule.
+dims per program x warps) at each batch size, to choose ``_launch_config``'s rule;
+``--sweep-conv`` does the same for the conv update (channels per program x warps).
 """
 
 from __future__ import annotations
@@ -130,23 +131,33 @@ def measure(kind: str, name: str, batch, impls: list[str]) -> list[dict]:
     return rows
 
 
-def sweep_decode(batch_sizes: list[int]) -> None:
-    """GB/s of the Triton decode kernel for every (block_v, num_warps), one line each."""
+def sweep(kind: str, batch_sizes: list[int]) -> None:
+    """GB/s of a Triton decode-step kernel (``gdn_decode``: value dims per program x warps;
+    ``conv_update``: channels per program x warps) for every launch configuration, one
+    line each."""
+    from qllm_kernels_gdn.triton_conv import conv1d_update
     from qllm_kernels_gdn.triton_recurrent import gated_delta_rule
 
     for batch_size in batch_sizes:
         batch = random_batch([1] * batch_size, NUM_SLOTS, True, device="cuda", seed=batch_size)
-        args, nbytes = case_args("gdn_decode", batch)
-        q, k, v, g, beta, ssm_state = args[:6]
-        for block_v in (16, 32, 64, 128):
+        args, nbytes = case_args(kind, batch)
+        if kind == "gdn_decode":
+            q, k, v, g, beta, ssm_state = args[:6]
+            run = functools.partial(gated_delta_rule, q, k, v, g, beta, ssm_state,
+                                    batch.recurrent_slots, batch.has_initial_state)
+            blocks, block_arg = (16, 32, 64, 128), "block_v"
+        else:
+            x, weight, conv_state = args[:3]
+            run = functools.partial(conv1d_update, x, weight, conv_state,
+                                    batch.recurrent_slots, batch.has_initial_state)
+            blocks, block_arg = (128, 256, 512, 1024, 2048), "block_c"
+        for block in blocks:
             for num_warps in (1, 2, 4, 8):
-                call = functools.partial(
-                    gated_delta_rule, q, k, v, g, beta, ssm_state, batch.recurrent_slots,
-                    batch.has_initial_state, block_v=block_v, num_warps=num_warps)
+                call = functools.partial(run, **{block_arg: block}, num_warps=num_warps)
                 call()
                 ms = do_bench(graphed(call), return_mode="median")
-                print(json.dumps({"sweep": "gdn_decode", "batch": batch_size,
-                                  "ssm_dtype": str(SSM_DTYPE), "block_v": block_v,
+                print(json.dumps({"sweep": kind, "batch": batch_size,
+                                  "ssm_dtype": str(SSM_DTYPE), block_arg: block,
                                   "num_warps": num_warps, "ms": round(ms, 4),
                                   "gbps": round(nbytes / ms / 1e6, 1)}))
 
@@ -159,10 +170,11 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64, 200])
     parser.add_argument("--ssm-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--sweep-decode", action="store_true")
+    parser.add_argument("--sweep-conv", action="store_true")
     args = parser.parse_args()
     SSM_DTYPE = getattr(torch, args.ssm_dtype)
-    if args.sweep_decode:
-        sweep_decode(args.batches)
+    if args.sweep_decode or args.sweep_conv:
+        sweep("gdn_decode" if args.sweep_decode else "conv_update", args.batches)
         return
     impls = [i for i in args.impl if i != "fla" or HAS_FLA]
 

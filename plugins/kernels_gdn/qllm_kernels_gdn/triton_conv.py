@@ -124,18 +124,20 @@ def _conv_state_kernel(
 
 
 def conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
-                  slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+                  slots: torch.Tensor, has_state: torch.Tensor, block_c: int = UPDATE_BLOCK_C,
+                  num_warps: int = 4) -> torch.Tensor:
     """``x [B, C]``, ``weight [C, K]``, ``conv_state [S + 1, C, K - 1]`` (shifted in place),
-    ``slots [B]``, ``has_state [B]`` -> ``[B, C]`` in ``x.dtype``."""
+    ``slots [B]``, ``has_state [B]`` -> ``[B, C]`` in ``x.dtype``. ``block_c`` (channels per
+    program) and ``num_warps`` override the launch configuration (for tuning)."""
     batch, channels = x.shape
     out = x.new_empty(batch, channels)
-    grid = (batch, triton.cdiv(channels, UPDATE_BLOCK_C))
+    grid = (batch, triton.cdiv(channels, block_c))
     _conv_update_kernel[grid](
         x, weight, conv_state, out, slots, has_state,
         channels,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), out.stride(0),
-        KERNEL=weight.shape[1], BLOCK_C=UPDATE_BLOCK_C, num_warps=4)
+        KERNEL=weight.shape[1], BLOCK_C=block_c, num_warps=num_warps)
     return out
 
 
@@ -161,5 +163,5 @@ def conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tens
         channels,
         x.stride(0), x.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-        KERNEL=weight.shape[1], BLOCK_C=UPDATE_BLOCK_C, num_warps=4)
+        KERNEL=weight.shape[1], BLOCK_C=block_c, num_warps=num_warps)
     return out
