@@ -163,5 +163,5 @@ def conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tens
         channels,
         x.stride(0), x.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-        KERNEL=weight.shape[1], BLOCK_C=block_c, num_warps=num_warps)
+        KERNEL=weight.shape[1], BLOCK_C=UPDATE_BLOCK_C, num_warps=4)
     return out
