@@ -6,7 +6,7 @@
   Triton sort against ``moe_align`` and the Triton router against ``moe_router``.
 - CPU: the sort (``moe_align``) against a naive layout, the config tables, the custom op's
   fake path under ``torch.compile(fullgraph=True)``, the plugin's registration, and, under the
-  Triton interpreter, the Triton align against ``moe_align``, the router against
+  Triton interpreter, the one-program Triton sort against ``moe_align``, the router against
   ``moe_router`` and parity at tiny shapes. The interpreter must be switched on before Triton is
   imported, so ``test_triton_interpreter`` reruns this file's ``interpreted`` tests in a
   subprocess with ``TRITON_INTERPRET=1``.
@@ -209,8 +209,7 @@ def _naive_layout(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 ALIGN_CASES = {
     "t1-e8-k2": (1, 8, 2, 0.0), "t7-k=e": (7, 8, 8, 0.0), "t64-e256-k8": (64, 256, 8, 0.0),
     "t33-skewed": (33, 6, 2, 10.0), "t300-e16": (300, 16, 4, 0.0),
-    "t1-e256-skewed": (1, 256, 8, 10.0), "t200-e256-k8": (200, 256, 8, 0.0),
-    "t512-e256-k8": (512, 256, 8, 0.0),
+    "t1-e256-skewed": (1, 256, 8, 10.0), "t512-e256-k8": (512, 256, 8, 0.0),
 }
 align_cases = pytest.mark.parametrize("tokens,experts,top_k,skew", ALIGN_CASES.values(),
                                       ids=ALIGN_CASES.keys())
@@ -240,7 +239,7 @@ def test_moe_align(tokens, experts, top_k, skew, block_m, id_dtype):
 
 
 def check_triton_align(tokens, experts, top_k, skew, block_m, device) -> None:
-    """The Triton align gives the torch ``moe_align``'s output exactly."""
+    """The one-program Triton align gives the torch ``moe_align``'s output exactly."""
     from qllm_kernels_moe.triton_align import moe_align_triton
 
     topk_ids = moe_inputs(tokens, experts, 8, 8, top_k, skew=skew).topk_ids.to(device)
