@@ -209,7 +209,8 @@ def _naive_layout(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 ALIGN_CASES = {
     "t1-e8-k2": (1, 8, 2, 0.0), "t7-k=e": (7, 8, 8, 0.0), "t64-e256-k8": (64, 256, 8, 0.0),
     "t33-skewed": (33, 6, 2, 10.0), "t300-e16": (300, 16, 4, 0.0),
-    "t1-e256-skewed": (1, 256, 8, 10.0), "t512-e256-k8": (512, 256, 8, 0.0),
+    "t1-e256-skewed": (1, 256, 8, 10.0), "t200-e256-k8": (200, 256, 8, 0.0),
+    "t512-e256-k8": (512, 256, 8, 0.0),
 }
 align_cases = pytest.mark.parametrize("tokens,experts,top_k,skew", ALIGN_CASES.values(),
                                       ids=ALIGN_CASES.keys())

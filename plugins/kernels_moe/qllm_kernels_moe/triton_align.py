@@ -22,9 +22,11 @@ import triton.language as tl
 from qllm_kernels_moe.align import SortedSlots, max_padded_slots
 
 MAX_SLOTS = 4096
-# The fused op takes this kernel for every batch it serves. Not yet timed against the torch
-# sort past 1,024 slots on the H200 (bench_moe.py's ``tr_align`` column); the chunked kernel
-# it replaced walked ``S x E`` one-hot entries and was kept to 1,024.
+# The fused op takes this kernel for every batch it serves: in W2's decode graph on the H200
+# (1,600 slots) it takes 36 us per layer against 58 us for the torch sort's 19 kernels. A
+# two-launch variant (counts and layout in one program, then a scatter ranking each slot among
+# the earlier slots of its expert, 128 slots per program) took 21 + 41 us there and was
+# dropped (benchmarks/RESULTS.md, 2026-11-30).
 PREFERRED_UP_TO = MAX_SLOTS
 FILL_CHUNK = 1024  # padding entries written per iteration
 BLOCKS_CHUNK = 64  # blocks whose expert is resolved per iteration
