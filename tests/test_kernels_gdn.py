@@ -19,6 +19,7 @@ other slot (stale data) bit for bit, except the padding slot, whose content is u
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -186,8 +187,9 @@ def opcheck_ops(device: str, dtype: torch.dtype, with_fla: bool) -> None:
     for op in gdn_ops:
         x = gdn_inputs(prefill, geometry, TINY_SLOTS, dtype, torch.float32)
         b = x.batch
-        torch.library.opcheck(op, (*x.args()[:6], b.query_start_loc, b.recurrent_slots,
-                                   b.has_initial_state))
+        host_lens = (b.query_lens_host,) if op is ops.fla_chunk_prefill else ()
+        torch.library.opcheck(op, (*x.args()[:6], b.query_start_loc, *host_lens,
+                                   b.recurrent_slots, b.has_initial_state))
     x = gdn_inputs(decode, geometry, TINY_SLOTS, dtype, torch.float32)
     torch.library.opcheck(ops.recurrent_decode, (*x.args()[:6], decode.recurrent_slots,
                                                  decode.has_initial_state))
@@ -363,6 +365,23 @@ def test_compile_fullgraph_on_fake_path(case):
 
     (graph,) = graphs_traced_by(run)
     assert called_ops(graph) == [getattr(torch.ops.qllm_gdn, op_name).default]
+
+
+def test_fla_chunk_indices_from_host_lengths():
+    """The chunk index built from host lengths is fla's (``prepare_chunk_indices`` from
+    ``cu_seqlens``, which syncs on the device): empty sequences own no chunk."""
+    from qllm_kernels_gdn.fla_chunk import chunk_indices
+
+    lens = [5, 70, 1, 0, 129]
+    expected = [[0, 0], [1, 0], [1, 1], [2, 0], [4, 0], [4, 1], [4, 2]]
+    got = chunk_indices(lens, torch.device("cpu"))
+    assert got.dtype == torch.int64 and got.tolist() == expected
+    assert chunk_indices([], torch.device("cpu")).shape == (0, 2)
+    if plugin.HAS_FLA:
+        from fla.ops.utils.index import prepare_chunk_indices
+
+        cu_seqlens = torch.tensor([0, *itertools.accumulate(lens)])
+        assert prepare_chunk_indices(cu_seqlens, 64).tolist() == expected
 
 
 def test_plugin_registrations(monkeypatch):

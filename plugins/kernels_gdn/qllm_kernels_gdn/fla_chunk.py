@@ -9,26 +9,45 @@ chunks of 64 with the WY/UT transform on tensor cores, an fp32 initial state per
 fp32 final state. It takes and returns states by sequence, not by slot, so this wrapper gathers
 the slots (zeros where a sequence starts fresh) and scatters the final states back: one read and
 one write of ``B`` states, small next to the prefill itself.
+
+fla derives the index of every chunk (sequence, chunk within it) from ``cu_seqlens``; on the
+device that takes a ``repeat_interleave`` whose output size is read back to the host, a sync in
+every GDN layer of a prefill step. This wrapper builds the same index from the host-side query
+lengths the step already has (``chunk_indices``) and passes it in: no host sync.
 """
 
 from __future__ import annotations
 
 import torch
-from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+CHUNK_SIZE = 64  # tokens per chunk of fla's gated delta rule (its default)
+
+
+def chunk_indices(query_lens: list[int], device: torch.device) -> torch.Tensor:
+    """``[N, 2]`` int64: ``(sequence, chunk within the sequence)`` of every ``CHUNK_SIZE``
+    chunk, in order; the index fla's ``prepare_chunk_indices`` derives from ``cu_seqlens``."""
+    pairs = [(seq, chunk) for seq, length in enumerate(query_lens)
+             for chunk in range(-(-length // CHUNK_SIZE))]
+    return torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2).to(device, non_blocking=True)
 
 
 def chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, ssm_state: torch.Tensor, cu_seqlens: torch.Tensor,
-                  slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+                  query_lens: list[int], slots: torch.Tensor, has_state: torch.Tensor
+                  ) -> torch.Tensor:
     """``q, k [T, Hk, dk]`` raw, ``v [T, Hv, dv]``, ``g, beta [T, Hv]``, sequences split at
-    ``cu_seqlens [B + 1]``; ``ssm_state [S + 1, Hv, dk, dv]`` read and written at ``slots [B]``.
-    Returns ``o [T, Hv, dv]`` in ``v.dtype``."""
+    ``cu_seqlens [B + 1]`` (their lengths ``query_lens`` on the host); ``ssm_state
+    [S + 1, Hv, dk, dv]`` read and written at ``slots [B]``. Returns ``o [T, Hv, dv]`` in
+    ``v.dtype``."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
     initial = torch.where(has_state[:, None, None, None], ssm_state[slots].float(), 0.0)
     # fla memoises index tensors derived from cu_seqlens by object identity: a fresh tensor per
     # call keeps a caller's in-place reuse of query_start_loc from hitting a stale entry.
     cu_seqlens = cu_seqlens.to(torch.int64, copy=True)
     out, final = chunk_gated_delta_rule(
         q[None], k[None], v[None], g[None].float(), beta[None], initial_state=initial,
-        output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+        output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices(query_lens, q.device), chunk_size=CHUNK_SIZE)
     ssm_state.index_copy_(0, slots, final.to(ssm_state.dtype))  # final: [B, Hv, dk, dv] fp32
     return out[0].to(v.dtype)

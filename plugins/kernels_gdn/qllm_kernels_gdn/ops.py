@@ -82,16 +82,20 @@ def _recurrent_prefill_fake(q, k, v, g, beta, ssm_state, cu_seqlens, slots, has_
 @torch.library.custom_op("qllm_gdn::fla_chunk_prefill", mutates_args=("ssm_state",))
 def fla_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                       beta: torch.Tensor, ssm_state: torch.Tensor, cu_seqlens: torch.Tensor,
-                      slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+                      query_lens: list[int], slots: torch.Tensor, has_state: torch.Tensor
+                      ) -> torch.Tensor:
     """fla's chunked gated delta rule over packed varlen sequences, ``v [T, Hv, dv]`` ->
-    ``o [T, Hv, dv]``; reads and writes the slots."""
+    ``o [T, Hv, dv]``; reads and writes the slots. ``query_lens``: the sequences' lengths on
+    the host (``cu_seqlens``' differences), from which the chunk index is built sync-free."""
     from qllm_kernels_gdn.fla_chunk import chunk_prefill
 
-    return chunk_prefill(q, k, v, g, beta, ssm_state, cu_seqlens, slots, has_state)
+    return chunk_prefill(q, k, v, g, beta, ssm_state, cu_seqlens, query_lens, slots,
+                         has_state)
 
 
 @fla_chunk_prefill.register_fake
-def _fla_chunk_prefill_fake(q, k, v, g, beta, ssm_state, cu_seqlens, slots, has_state):
+def _fla_chunk_prefill_fake(q, k, v, g, beta, ssm_state, cu_seqlens, query_lens, slots,
+                            has_state):
     return v.new_empty(v.shape)
 
 
@@ -129,6 +133,7 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 def fla_gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                     beta: torch.Tensor, ssm_state: torch.Tensor, batch: ForwardBatch
                     ) -> torch.Tensor:
-    """``gdn_prefill`` for qllm through fla's chunked kernels."""
+    """``gdn_prefill`` for qllm through fla's chunked kernels; no host sync."""
     return fla_chunk_prefill(q, k, v, g, beta, ssm_state, batch.query_start_loc,
-                             batch.recurrent_slots, batch.has_initial_state)
+                             batch.query_lens_host, batch.recurrent_slots,
+                             batch.has_initial_state)

@@ -32,7 +32,8 @@ QWEN3_5_35B_A3B = GDNGeometry(16, 32, 128, 128)
 
 def make_batch(query_lens: list[int], slots: list[int], has_state: list[bool],
                device: str | torch.device = "cpu") -> ForwardBatch:
-    """A ``ForwardBatch`` carrying what the GDN ops read (decode when every length is 1)."""
+    """A ``ForwardBatch`` carrying what the GDN ops read (decode when every length is 1).
+    The host lengths are set either way: the prefill ops also serve one-token sequences."""
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
@@ -47,7 +48,7 @@ def make_batch(query_lens: list[int], slots: list[int], has_state: list[bool],
         recurrent_slots=torch.tensor(slots, dtype=torch.int64, device=device),
         has_initial_state=torch.tensor(has_state, dtype=torch.bool, device=device),
         logits_indices=torch.tensor(starts[1:], dtype=torch.int64, device=device) - 1,
-        query_lens_host=list(query_lens) if is_prefill else None,
+        query_lens_host=list(query_lens),
         max_query_len=max(query_lens))
 
 
