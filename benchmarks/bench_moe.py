@@ -5,7 +5,7 @@ decode at batch 1/16/64/256 and a 4096-token prefill, routed like the model's ro
 of a softmax over random logits). Times are medians of ``triton.testing.do_bench`` (L2 flushed
 between calls). Decode runs in CUDA graphs in the engine, so its ``ms`` is a graph replay
 (``eager_ms``: plain calls, CPU launch cost included); prefill runs eagerly. ``align_ms`` is
-the torch slot sort alone, ``tr_align`` the one-program Triton sort where it applies. GB/s
+the torch slot sort alone, ``tr_align`` the one-program Triton align where it applies. GB/s
 counts the bytes a call must move at least (the weights of every expert hit, read once, plus
 x and the per-slot output) against the H200's ~4.3 TB/s; TFLOP/s counts
 the three matmuls per routed slot. ``torch`` is the plain-torch reference (host-syncs, so
@@ -37,7 +37,7 @@ from qllm_kernels_moe import ops
 from qllm_kernels_moe.align import moe_align
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, config_path, get_config, load_table
 from qllm_kernels_moe.testing import MoeInputs, moe_inputs
-from qllm_kernels_moe.triton_align import MAX_SLOTS, PREFERRED_UP_TO, moe_align_triton
+from qllm_kernels_moe.triton_align import MAX_SLOTS, moe_align_triton
 from qllm_kernels_moe.triton_moe import down, fused_moe_triton, gate_up
 from qllm_qwen3_5.moe import fused_moe as torch_fused_moe
 
@@ -167,7 +167,7 @@ def tune_tokens(tokens: int, grid: dict) -> tuple[MoeConfig, float]:
         if block_m > 16 and block_m > 2 * slots_per_expert:
             continue
         many = slots_per_expert > block_m
-        align = moe_align_triton if topk_ids.numel() <= PREFERRED_UP_TO else moe_align
+        align = moe_align_triton if topk_ids.numel() <= MAX_SLOTS else moe_align
         sorted_slots = align(topk_ids, EXPERTS, block_m)
         align_ms = time_ms(lambda: align(topk_ids, EXPERTS, block_m), graph)
         up_ms, up = best_gemm(

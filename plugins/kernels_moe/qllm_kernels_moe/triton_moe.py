@@ -4,7 +4,7 @@ With ``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows, then up rows), ``w2 [E, H, I]`
 routing ``[T, k]`` (``S = T * k`` slots, slot ``t * k + j``):
 
 1. ``moe_align`` lists the slots grouped by expert, in blocks of ``BLOCK_M`` of one expert
-   (one Triton program up to ``triton_align.PREFERRED_UP_TO`` slots, torch sort beyond).
+   (one Triton program up to ``triton_align.MAX_SLOTS`` slots, torch sort beyond).
 2. ``gate_up``: per block, the tokens' rows of ``x`` times the expert's gate and up rows (two
    accumulators over the same ``x`` tile), epilogue ``silu(gate) * up`` -> ``hidden [S, I]``.
 3. ``down``: per block, ``hidden``'s rows times the expert's ``w2``, epilogue times the slot's
@@ -25,7 +25,7 @@ import triton.language as tl
 
 from qllm_kernels_moe.align import SortedSlots, moe_align
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
-from qllm_kernels_moe.triton_align import PREFERRED_UP_TO, moe_align_triton
+from qllm_kernels_moe.triton_align import MAX_SLOTS, moe_align_triton
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -144,7 +144,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if config is None:
         config = get_config(tokens, num_experts, gate_up_rows, hidden_size, top_k)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    align = moe_align_triton if topk_ids.numel() <= PREFERRED_UP_TO else moe_align
+    align = moe_align_triton if topk_ids.numel() <= MAX_SLOTS else moe_align
     sorted_slots = align(topk_ids, num_experts, config.BLOCK_M)
     hidden = gate_up(x, w13, sorted_slots, top_k, config.BLOCK_M, config.up)  # [S, I]
     expert_out = down(hidden, w2, topk_weights.contiguous(), sorted_slots, config.BLOCK_M,
