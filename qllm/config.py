@@ -11,8 +11,9 @@ import torch
 class SamplingParams:
     """How to sample one request and when to stop it.
 
-    temperature 0 is greedy; ``top_k=-1`` and ``top_p=1`` disable those filters; ``seed`` makes
-    a request's sampling reproducible regardless of what it is batched with.
+    temperature 0 is greedy; ``top_k=-1`` and ``top_p=1`` disable those filters (a ``top_k``
+    past the vocabulary keeps every token); ``seed`` makes a request's sampling reproducible
+    regardless of what it is batched with.
     """
 
     temperature: float = 1.0
@@ -38,8 +39,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

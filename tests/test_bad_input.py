@@ -54,10 +54,25 @@ def test_bad_prompts(llm, baseline, prompts, message):
     pytest.param({"top_k": 0}, "top_k", id="top_k-0"),
     pytest.param({"top_k": -2}, "top_k", id="top_k-below-minus-1"),
     pytest.param({"stop": [""]}, "stop", id="empty-stop-string"),
+    pytest.param({"seed": 2**64}, "seed", id="seed-past-64-bits"),
+    pytest.param({"seed": -1}, "seed", id="negative-seed"),
 ])
 def test_bad_sampling_values(options, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**options)
+
+
+def test_top_k_past_the_vocabulary_keeps_every_token(llm, baseline):
+    """Any ``top_k`` of at least the vocabulary size samples like no top-k at all, even one
+    past 64 bits (it reached the sampler's int64 tensor as is, and failed the step)."""
+    prompts = random_prompts([9, 5])
+    unfiltered = llm.generate(prompts, SamplingParams(temperature=1.0, seed=7, max_tokens=6,
+                                                      ignore_eos=True), use_tqdm=False)
+    for top_k in (llm.engine.vocab_size, 2**63, 2**70):
+        params = SamplingParams(temperature=1.0, top_k=top_k, seed=7, max_tokens=6,
+                                ignore_eos=True)
+        assert llm.generate(prompts, params, use_tqdm=False) == unfiltered
+    still_works(llm, baseline)
 
 
 def test_mismatched_sampling_params_count(llm, baseline):

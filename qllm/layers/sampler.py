@@ -14,7 +14,7 @@ class SamplingTensors:
     """One step's sampling settings as device tensors, one row per sampled sequence."""
 
     temperature: torch.Tensor  # [N] fp32, 0 for greedy rows
-    top_k: torch.Tensor        # [N] int64, vocab size where disabled
+    top_k: torch.Tensor        # [N] int64, vocab size where disabled or larger
     top_p: torch.Tensor        # [N] fp32
     generators: list[torch.Generator | None]
     all_greedy: bool
@@ -28,7 +28,7 @@ class SamplingTensors:
             return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(
                 device, non_blocking=True)
 
-        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         return cls(temperature=tensor([p.temperature for p in params], torch.float32),
                    top_k=tensor(top_k, torch.int64),
                    top_p=tensor([p.top_p for p in params], torch.float32),
