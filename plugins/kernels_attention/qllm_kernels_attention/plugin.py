@@ -5,9 +5,11 @@
 - ``flash_attn`` (priority 20): the same two ops through FlashAttention-2, registered only
   when ``vllm_flash_attn`` or ``flash_attn`` is installed.
 
-``kv_store`` keeps the core's ``index_put_``: it is one coalesced scatter per cache, already
-bandwidth-bound and CUDA-graph safe, and as a plain aten op it lets ``torch.compile`` fuse the
-store with the K/V producers (norm, rotary) - an opaque custom op would prevent that fusion.
+``kv_store`` keeps the core's ``index_put_``: CUDA-graph safe, and as a plain aten op it lets
+``torch.compile`` fuse the store with the K/V producers (norm, rotary) in the decode graph - an
+opaque custom op would prevent that fusion. In eager prefill it is slow: 0.34 TB/s on the H200
+(5.6 ms of W1's 45 ms 16,384-token prefill step, benchmarks/RESULTS.md); a prefill-only store
+kernel is the open alternative.
 """
 
 from __future__ import annotations
