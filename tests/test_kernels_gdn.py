@@ -107,10 +107,11 @@ def _assert_states(actual: torch.Tensor, expected: torch.Tensor, before: torch.T
 
 def check_conv_prefill(geometry: GDNGeometry, query_lens: list[int], has_state: str,
                        dtype: torch.dtype, state_dtype: torch.dtype, num_slots: int,
-                       device: str) -> None:
+                       device: str, contiguous_state: bool = False) -> None:
     batch = random_batch(query_lens, num_slots, _flags(len(query_lens), has_state),
                          device=device, seed=len(query_lens))
-    x = conv_inputs(batch, geometry, num_slots, dtype, state_dtype)
+    x = conv_inputs(batch, geometry, num_slots, dtype, state_dtype,
+                    contiguous_state=contiguous_state)
     before = x.conv_state.clone()
     ref_state = x.conv_state.clone()
     ref = reference.causal_conv1d_prefill(x.x, x.weight, ref_state, batch)
@@ -121,14 +122,15 @@ def check_conv_prefill(geometry: GDNGeometry, query_lens: list[int], has_state: 
 
 def check_conv_update(geometry: GDNGeometry, num_seqs: int, num_padding: int,
                       dtype: torch.dtype, state_dtype: torch.dtype, num_slots: int,
-                      device: str) -> None:
+                      device: str, contiguous_state: bool = False) -> None:
     """Three chained steps, the first with some sequences starting fresh."""
     state = ref_state = before = None
     for step in range(3):
         batch = random_batch([1] * num_seqs, num_slots,
                              _flags(num_seqs, "mixed") if step == 0 else True, num_padding,
                              device=device, seed=num_seqs)
-        x = conv_inputs(batch, geometry, num_slots, dtype, state_dtype, seed=step)
+        x = conv_inputs(batch, geometry, num_slots, dtype, state_dtype, seed=step,
+                        contiguous_state=contiguous_state)
         if state is None:
             state, ref_state, before = x.conv_state, x.conv_state.clone(), x.conv_state.clone()
         ref = reference.causal_conv1d_update(x.x, x.weight, ref_state, batch)
@@ -405,20 +407,30 @@ def test_triton_interpreter():
     run_interpreted_tests(__file__)
 
 
+# The conv kernels take any state strides: the models' channel-contiguous layout (default) and
+# a contiguous one.
+state_layouts = pytest.mark.parametrize("contiguous_state", [False, True],
+                                        ids=["channel-contiguous", "contiguous"])
+
+
 @interpreted
+@state_layouts
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
 @pytest.mark.parametrize("lens", TINY_PREFILL.values(), ids=TINY_PREFILL.keys())
 @pytest.mark.parametrize("geometry", TINY_GEOMETRIES.values(), ids=TINY_GEOMETRIES.keys())
-def test_interpreted_conv_prefill(geometry, lens, state_dtype):
-    check_conv_prefill(geometry, lens, "mixed", torch.float32, state_dtype, TINY_SLOTS, "cpu")
+def test_interpreted_conv_prefill(geometry, lens, state_dtype, contiguous_state):
+    check_conv_prefill(geometry, lens, "mixed", torch.float32, state_dtype, TINY_SLOTS, "cpu",
+                       contiguous_state)
 
 
 @interpreted
+@state_layouts
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
 @pytest.mark.parametrize("batch", TINY_DECODE.values(), ids=TINY_DECODE.keys())
 @pytest.mark.parametrize("geometry", TINY_GEOMETRIES.values(), ids=TINY_GEOMETRIES.keys())
-def test_interpreted_conv_update(geometry, batch, state_dtype):
-    check_conv_update(geometry, *batch, torch.float32, state_dtype, TINY_SLOTS, "cpu")
+def test_interpreted_conv_update(geometry, batch, state_dtype, contiguous_state):
+    check_conv_update(geometry, *batch, torch.float32, state_dtype, TINY_SLOTS, "cpu",
+                      contiguous_state)
 
 
 @interpreted

@@ -68,7 +68,8 @@ def random_batch(query_lens: list[int], num_slots: int, has_state: bool | list[b
 @dataclass
 class ConvInputs:
     """``x [T, C]`` (a column slice of a wider projection), ``weight [C, K]`` (a view of the
-    layer's ``[C, 1, K]`` conv weight), stale-filled ``conv_state [S + 1, C, K - 1]``."""
+    layer's ``[C, 1, K]`` conv weight), stale-filled ``conv_state [S + 1, C, K - 1]``
+    (channel stride 1, as the models store it, unless asked for contiguous)."""
 
     x: torch.Tensor
     weight: torch.Tensor
@@ -96,8 +97,10 @@ class GDNInputs:
 
 
 def conv_inputs(batch: ForwardBatch, geometry: GDNGeometry, num_slots: int,
-                dtype: torch.dtype, state_dtype: torch.dtype, seed: int = 0) -> ConvInputs:
-    """Conv inputs for ``batch``'s tokens, on its device."""
+                dtype: torch.dtype, state_dtype: torch.dtype, seed: int = 0,
+                contiguous_state: bool = False) -> ConvInputs:
+    """Conv inputs for ``batch``'s tokens, on its device. The state is a taps-outer tensor
+    seen as ``[S + 1, C, K - 1]``, or with ``contiguous_state`` a contiguous one."""
     device = batch.query_start_loc.device
     gen = torch.Generator(device=device).manual_seed(seed)
     tokens, channels = batch.slot_mapping.shape[0], geometry.conv_dim
@@ -109,7 +112,10 @@ def conv_inputs(batch: ForwardBatch, geometry: GDNGeometry, num_slots: int,
     return ConvInputs(
         x=projection[:, :channels],
         weight=randn(channels, 1, geometry.conv_kernel)[:, 0, :],
-        conv_state=randn(num_slots + 1, channels, geometry.conv_kernel - 1, dtype=state_dtype),
+        conv_state=(randn(num_slots + 1, channels, geometry.conv_kernel - 1, dtype=state_dtype)
+                    if contiguous_state else
+                    randn(num_slots + 1, geometry.conv_kernel - 1, channels,
+                          dtype=state_dtype).transpose(1, 2)),
         batch=batch)
 
 

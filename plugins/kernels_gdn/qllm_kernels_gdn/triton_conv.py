@@ -2,8 +2,9 @@
 last ``K - 1`` inputs in its recurrent slot (contract and reference: ``qllm.ops.gdn``).
 
 State layout ``conv_state [S + 1, C, K - 1]``: slot ``slots[i]`` holds sequence ``i``'s last
-``K - 1`` inputs, oldest first; where ``has_state[i]`` is False they read as zeros. Math in
-fp32; outputs in ``x.dtype``, state in its own dtype.
+``K - 1`` inputs, oldest first; where ``has_state[i]`` is False they read as zeros. Any
+strides; with channel stride 1 (how the models store it) every tap of a block of channels is
+one coalesced vector. Math in fp32; outputs in ``x.dtype``, state in its own dtype.
 
 - ``conv1d_update`` (decode): one program per (sequence, block of channels) computes the new
   token's output and shifts the slot in place. A channel's taps are 1-D vectors of one layout,

@@ -114,12 +114,15 @@ class GatedDeltaNet(nn.Module):
     def cache_requirement(self) -> CacheRequirement:
         return CacheRequirement(
             self.layer_kind,
-            {"conv": (self.conv_dim, self.conv_kernel_size - 1),
+            {"conv": (self.conv_kernel_size - 1, self.conv_dim),  # taps outer: see attach_cache
              "ssm": (self.num_v_heads, self.head_k_dim, self.head_v_dim)},
             {"conv": self.conv_dtype, "ssm": self.ssm_dtype})
 
     def attach_cache(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.register_buffer("conv_state", tensors["conv"], persistent=False)  # [S+1, C, K-1]
+        # The ops take conv_state as [S+1, C, K-1]; stored taps-outer, each tap's channels are
+        # contiguous, so a kernel walking channels reads and writes each tap coalesced.
+        conv_state = tensors["conv"].transpose(1, 2)  # [S+1, C, K-1], channel stride 1
+        self.register_buffer("conv_state", conv_state, persistent=False)
         self.register_buffer("ssm_state", tensors["ssm"], persistent=False)  # [S+1, Hv, dk, dv]
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
