@@ -5,8 +5,8 @@
 # Stages (each killed after its time limit, so one hang does not cost the call):
 #   gpu-tests: Qwen3 and Qwen3.5 model tests on CUDA; kernel-tests: kernel parity tests
 #   (moe-tests: the MoE ones alone, stopping at the first failure; quick-kernel-tests: the MoE
-#   align, parity, graph and compile cases and the GDN fla, decode and compile cases, which
-#   fit a short call where the whole kernel-tests stage does not);
+#   align, parity, graph and compile cases and the GDN conv, fla, decode and compile cases,
+#   which fit a short call where the whole kernel-tests stage does not);
 #   kernels: kernel micro-benchmarks; w1, w2, w3: throughput.py, then a decode-step profile
 #   on the same engine (W1 batch 256 x 1,100, W2 200 x 2,000, W3 1 x 512; files in $OUT);
 #   w1-peer, w2-peer, w3-peer:
@@ -50,9 +50,9 @@ for stage in "$@"; do
         kernel-tests) run kernel_tests 300 python3 -m pytest $PYTEST_GPU \
                           tests/test_kernels_moe.py tests/test_kernels_gdn.py ;;
         moe-tests) run moe_tests 200 python3 -m pytest $PYTEST_GPU -x tests/test_kernels_moe.py ;;
-        quick-kernel-tests) run quick_kernel_tests 240 python3 -m pytest $PYTEST_GPU \
+        quick-kernel-tests) run quick_kernel_tests 300 python3 -m pytest $PYTEST_GPU \
                                 tests/test_kernels_moe.py tests/test_kernels_gdn.py -k \
-                                "(triton_align or cuda_graph or compiled or test_parity or (prefill_parity and fla) or gdn_decode_parity) and not interpreted" ;;
+                                "(triton_align or cuda_graph or compiled or test_parity or conv_ or (prefill_parity and fla) or gdn_decode_parity) and not interpreted" ;;
         attention-tests) run attention_tests 300 python3 -m pytest $PYTEST_GPU \
                              tests/test_kernels_attention.py ;;
         kernels) run bench_attention 100 python3 benchmarks/bench_attention.py
