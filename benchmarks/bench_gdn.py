@@ -145,19 +145,19 @@ def sweep(kind: str, batch_sizes: list[int]) -> None:
             q, k, v, g, beta, ssm_state = args[:6]
             run = functools.partial(gated_delta_rule, q, k, v, g, beta, ssm_state,
                                     batch.recurrent_slots, batch.has_initial_state)
-            blocks, block_arg = (16, 32, 64, 128), "block_v"
+            blocks, block_arg, state_dtype = (16, 32, 64, 128), "block_v", SSM_DTYPE
         else:
             x, weight, conv_state = args[:3]
             run = functools.partial(conv1d_update, x, weight, conv_state,
                                     batch.recurrent_slots, batch.has_initial_state)
-            blocks, block_arg = (128, 256, 512, 1024, 2048), "block_c"
+            blocks, block_arg, state_dtype = (128, 256, 512, 1024, 2048), "block_c", CONV_DTYPE
         for block in blocks:
             for num_warps in (1, 2, 4, 8):
                 call = functools.partial(run, **{block_arg: block}, num_warps=num_warps)
                 call()
                 ms = do_bench(graphed(call), return_mode="median")
                 print(json.dumps({"sweep": kind, "batch": batch_size,
-                                  "ssm_dtype": str(SSM_DTYPE), block_arg: block,
+                                  "state_dtype": str(state_dtype), block_arg: block,
                                   "num_warps": num_warps, "ms": round(ms, 4),
                                   "gbps": round(nbytes / ms / 1e6, 1)}))
 
@@ -169,8 +169,9 @@ def main() -> None:
                         choices=["triton", "fla", "torch"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64, 200])
     parser.add_argument("--ssm-dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--sweep-decode", action="store_true")
-    parser.add_argument("--sweep-conv", action="store_true")
+    sweeps = parser.add_mutually_exclusive_group()
+    sweeps.add_argument("--sweep-decode", action="store_true")
+    sweeps.add_argument("--sweep-conv", action="store_true")
     args = parser.parse_args()
     SSM_DTYPE = getattr(torch, args.ssm_dtype)
     if args.sweep_decode or args.sweep_conv:
