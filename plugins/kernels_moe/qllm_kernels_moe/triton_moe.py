@@ -11,7 +11,7 @@ routing ``[T, k]`` (``S = T * k`` slots, slot ``t * k + j``):
    routing weight -> ``expert_out [S, H]``.
 4. The k slots of a token are adjacent rows: the op returns ``expert_out.view(T, k, H)``
    and the model sums over ``k`` (fused by ``torch.compile`` into the elementwise work after
-   the MoE block in the decode step; deterministic, no atomics).
+   the MoE block in the decode step; a deterministic sum, no atomic adds of outputs).
 
 Every launch size follows from the shapes (blocks past ``num_blocks`` exit at once), so the
 whole op is free of host syncs and capturable in a CUDA graph.
