@@ -1,7 +1,7 @@
 """Micro-benchmark of the Triton fused MoE against the plain-torch reference, and its tuner.
 
 Qwen3.5-35B-A3B routed experts (256 experts, top-8, hidden 2048, expert size 512, bf16):
-decode at batch 1/16/64/256 and a 4096-token prefill, routed like the model's router (top-8
+decode at batch 1/16/64/200/256 and a 4096-token prefill, routed like the model's router (top-8
 of a softmax over random logits). Times are medians of ``triton.testing.do_bench`` (L2 flushed
 between calls). Decode runs in CUDA graphs in the engine, so its ``ms`` is a graph replay
 (``eager_ms``: plain calls, CPU launch cost included); prefill runs eagerly. ``align_ms`` is
@@ -43,7 +43,8 @@ from qllm_qwen3_5.moe import fused_moe as torch_fused_moe
 
 EXPERTS, TOP_K, HIDDEN, INTER, DTYPE = 256, 8, 2048, 512, torch.bfloat16
 PEAK_GBPS = 4300.0
-CASES = {"decode b1": 1, "decode b16": 16, "decode b64": 64, "decode b256": 256,
+CASES = {"decode b1": 1, "decode b16": 16, "decode b64": 64, "decode b200": 200,
+         "decode b256": 256,
          "prefill 4096": 4096}
 TUNE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 SMEM_BYTES = 227 * 1024  # per-block shared memory on H100 / H200
@@ -65,13 +66,11 @@ def time_ms(call, graph: bool, rep: int = 100) -> float:
 
 
 def traffic(inputs: MoeInputs) -> tuple[int, int]:
-    """(bytes, flops) of one call: each expert hit read once, x read, the per-slot output
-    ``[T, k, H]`` written; three matmuls (gate, up, down) per routed slot."""
+    """(bytes, flops) of one call: each expert hit read once, x read, the output ``[T, H]``
+    written; three matmuls (gate, up, down) per routed slot."""
     expert_params = 3 * INTER * HIDDEN
     experts_hit = inputs.topk_ids.unique().numel()
-    out_numel = inputs.topk_ids.numel() * HIDDEN
-    nbytes = (experts_hit * expert_params + inputs.x.numel() + out_numel) \
-        * inputs.x.element_size()
+    nbytes = (experts_hit * expert_params + 2 * inputs.x.numel()) * inputs.x.element_size()
     return nbytes, 2 * inputs.topk_ids.numel() * expert_params
 
 

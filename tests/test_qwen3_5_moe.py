@@ -15,12 +15,12 @@ E, H, INTER, K = 6, 16, 8, 2
 
 
 def naive_moe(x, w13, w2, topk_weights, topk_ids):
-    """Each slot's weighted expert output, ``[T, k, H]``, one (token, slot) at a time."""
-    out = torch.zeros(*topk_ids.shape, x.shape[1])
+    """The weighted sum of each token's experts, ``[T, H]``, one (token, slot) at a time."""
+    out = torch.zeros(x.shape)
     for t in range(x.shape[0]):
-        for j, (weight, e) in enumerate(zip(topk_weights[t], topk_ids[t].tolist())):
+        for weight, e in zip(topk_weights[t], topk_ids[t].tolist()):
             gate, up = F.linear(x[t], w13[e]).chunk(2)
-            out[t, j] = weight * F.linear(F.silu(gate) * up, w2[e])
+            out[t] += weight * F.linear(F.silu(gate) * up, w2[e])
     return out
 
 

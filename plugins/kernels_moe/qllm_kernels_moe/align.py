@@ -21,6 +21,7 @@ class SortedSlots(NamedTuple):
     """The padded slot list and what each block of ``block_m`` entries holds."""
 
     slots: torch.Tensor          # [P] int64: slot ids grouped by expert; S marks padding
+    #                              (in the used blocks; the Triton align leaves the rest unset)
     block_experts: torch.Tensor  # [P // block_m] int64: expert of each block (E past the used)
     num_blocks: torch.Tensor     # [1] int64: blocks in use; the later ones are all padding
 

@@ -16,10 +16,10 @@ import torch
 @torch.library.custom_op("qllm_moe::fused_moe", mutates_args=())
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-    """Routed SwiGLU experts, per slot: ``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows, then up
-    rows), ``w2 [E, H, I]``, ``topk_weights`` / ``topk_ids`` ``[T, k]`` -> each slot's output
-    times its routing weight, ``[T, k, H]`` in ``x.dtype``; the contract of qllm's
-    ``fused_moe`` op (plain-torch reference in ``qllm_qwen3_5.moe``)."""
+    """Routed SwiGLU experts: ``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows, then up rows),
+    ``w2 [E, H, I]``, ``topk_weights`` / ``topk_ids`` ``[T, k]`` -> the sum of each token's
+    expert outputs times their routing weights, ``[T, H]`` in ``x.dtype``; the contract of
+    qllm's ``fused_moe`` op (plain-torch reference in ``qllm_qwen3_5.moe``)."""
     from qllm_kernels_moe.triton_moe import fused_moe_triton
 
     return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
@@ -27,7 +27,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 @fused_moe.register_fake
 def _fused_moe_fake(x, w13, w2, topk_weights, topk_ids):
-    return x.new_empty(*topk_ids.shape, x.shape[1])
+    return x.new_empty(x.shape)
 
 
 @torch.library.custom_op("qllm_moe::moe_router", mutates_args=())

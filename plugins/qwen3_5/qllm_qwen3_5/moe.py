@@ -20,12 +20,10 @@ from qllm.plugins import Kernels
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-    """Routed SwiGLU experts, per slot: ``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows, then up
-    rows), ``w2 [E, H, I]``, ``topk_weights`` / ``topk_ids`` ``[T, k]`` -> ``[T, k, H]`` in
-    ``x.dtype``: slot ``(t, j)`` holds expert ``topk_ids[t, j]``'s output for token ``t``
-    times ``topk_weights[t, j]``. The caller sums over ``k``, where ``torch.compile`` fuses
-    the sum into the elementwise work that follows (a kernel fewer per layer than summing
-    inside an opaque GPU op).
+    """Routed SwiGLU experts: ``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows, then up rows),
+    ``w2 [E, H, I]``, ``topk_weights`` / ``topk_ids`` ``[T, k]`` -> ``[T, H]`` in ``x.dtype``:
+    row ``t`` is the sum over ``j`` of expert ``topk_ids[t, j]``'s output for token ``t`` times
+    ``topk_weights[t, j]``, summed in fp32 in the order of ``j``.
 
     Eagerly, slots are grouped per expert (host sync; only the experts hit are computed).
     Under ``torch.compile`` (the CUDA-graph decode step) every expert runs on every token and
@@ -34,7 +32,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     """
     weights = topk_weights.to(x.dtype)
     if torch.compiler.is_compiling():
-        return _dense_moe(x, w13, w2, weights, topk_ids)
+        return _dense_moe(x, w13, w2, weights, topk_ids).float().sum(dim=1).to(x.dtype)
     top_k = topk_ids.shape[1]
     out = x.new_empty(topk_ids.numel(), x.shape[1])  # [T * k, H], row t * k + j
     flat_ids = topk_ids.flatten()  # [T * k]
@@ -49,7 +47,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         expert_out = F.linear(silu_and_mul(F.linear(x[slots // top_k], w13[e])), w2[e])
         out[slots] = expert_out * weight_of[start:start + count, None]  # [n, H]
         start += count
-    return out.view(*topk_ids.shape, x.shape[1])
+    return out.view(*topk_ids.shape, x.shape[1]).float().sum(dim=1).to(x.dtype)
 
 
 def _dense_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -101,7 +99,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]``, routing ``[T, k]`` -> each slot's weighted output ``[T, k, H]``."""
+        """``x [T, H]``, routing ``[T, k]`` -> the weighted sum of the routed experts ``[T, H]``."""
         return self._fused_moe(x, self.gate_up_proj.weight, self.down_proj.weight,
                                topk_weights, topk_ids)
 
@@ -161,6 +159,6 @@ class SparseMoeBlock(nn.Module):
         router_logits, shared_gate, shared_up, shared_expert_gate = self.input_proj.split(
             self.input_proj(x))  # [T, E], [T, I_shared] x 2, [T, 1]
         weights, ids = self.router(router_logits)  # [T, k] each
-        routed = self.experts(x, weights, ids).sum(dim=1)  # [T, H]
+        routed = self.experts(x, weights, ids)  # [T, H]
         shared = self.shared_expert["down_proj"](F.silu(shared_gate) * shared_up)
         return routed + torch.sigmoid(shared_expert_gate) * shared
