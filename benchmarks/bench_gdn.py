@@ -17,13 +17,14 @@ at decode) against the H200's ~4.3 TB/s. ``max_err`` is the largest difference f
 reference's output. Prints a table, then one JSON object per row.
 
     python benchmarks/bench_gdn.py [--impl triton torch fla] [--batches 1 16 64 200]
-        [--ssm-dtype bfloat16] [--state-layout value-major] [--sweep-decode | --sweep-conv]
+        [--ssm-dtype bfloat16] [--state-layout key-major] [--sweep-decode | --sweep-conv]
 
 ``--sweep-decode`` times only the Triton decode kernel over its launch configurations (value
 dims per program x warps) at each batch size, to choose ``_launch_config``'s rule;
 ``--sweep-conv`` does the same for the conv update (channels per program x warps).
-``--state-layout value-major`` stores the SSM state ``[S + 1, Hv, dv, dk]`` (the ops see its
-transposed view) instead of key-major ``[S + 1, Hv, dk, dv]``.
+The SSM state is stored value-major, ``[S + 1, Hv, dv, dk]`` seen by the ops as its transposed
+view, as the models store it; ``--state-layout key-major`` stores it contiguous
+``[S + 1, Hv, dk, dv]`` instead.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from qllm_kernels_gdn.testing import QWEN3_5_35B_A3B, conv_inputs, gdn_inputs, r
 GEOMETRY = QWEN3_5_35B_A3B
 DTYPE, CONV_DTYPE = torch.bfloat16, torch.bfloat16
 SSM_DTYPE = torch.float32  # --ssm-dtype
-VALUE_MAJOR_STATE = False  # --state-layout value-major
+KEY_MAJOR_STATE = False  # --state-layout key-major
 NUM_SLOTS = 256
 PEAK_GBPS = 4300.0
 PREFILL_SEQS, PREFILL_LEN = 8, 1000
@@ -88,7 +89,7 @@ def case_args(kind: str, batch) -> tuple[tuple, int]:
         return (x.x, x.weight, x.conv_state, batch), (
             2 * _nbytes(x.conv_state[slots]) + 2 * _nbytes(x.x) + _nbytes(x.weight))
     x = gdn_inputs(batch, GEOMETRY, NUM_SLOTS, DTYPE, SSM_DTYPE,
-                   value_major_state=VALUE_MAJOR_STATE)
+                   contiguous_state=KEY_MAJOR_STATE)
     return x.args(), (2 * _nbytes(x.ssm_state[slots]) + _nbytes(x.q, x.k, x.g, x.beta)
                       + 2 * _nbytes(x.v))
 
@@ -161,28 +162,28 @@ def sweep(kind: str, batch_sizes: list[int]) -> None:
                 call()
                 ms = do_bench(graphed(call), return_mode="median")
                 print(json.dumps({"sweep": kind, "batch": batch_size,
-                                  "state_layout": ("value-major" if VALUE_MAJOR_STATE
-                                                   and kind == "gdn_decode" else "key-major"),
+                                  "state_layout": ("key-major" if KEY_MAJOR_STATE
+                                                   or kind != "gdn_decode" else "value-major"),
                                   "state_dtype": str(state_dtype), block_arg: block,
                                   "num_warps": num_warps, "ms": round(ms, 4),
                                   "gbps": round(nbytes / ms / 1e6, 1)}))
 
 
 def main() -> None:
-    global SSM_DTYPE, VALUE_MAJOR_STATE
+    global SSM_DTYPE, KEY_MAJOR_STATE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--impl", nargs="+", default=["triton", "fla", "torch"],
                         choices=["triton", "fla", "torch"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64, 200])
     parser.add_argument("--ssm-dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--state-layout", default="key-major",
+    parser.add_argument("--state-layout", default="value-major",
                         choices=["key-major", "value-major"])
     sweeps = parser.add_mutually_exclusive_group()
     sweeps.add_argument("--sweep-decode", action="store_true")
     sweeps.add_argument("--sweep-conv", action="store_true")
     args = parser.parse_args()
     SSM_DTYPE = getattr(torch, args.ssm_dtype)
-    VALUE_MAJOR_STATE = args.state_layout == "value-major"
+    KEY_MAJOR_STATE = args.state_layout == "key-major"
     if args.sweep_decode or args.sweep_conv:
         sweep("gdn_decode" if args.sweep_decode else "conv_update", args.batches)
         return

@@ -46,6 +46,10 @@ GDN_PREFILL = {"triton": ops.gdn_prefill, "fla": ops.fla_gdn_prefill}
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 FLA_TOLERANCE = 2e-2
 STATE_DTYPES = {"state_fp32": torch.float32, "state_bf16": torch.bfloat16}
+# The kernels take any state strides: the models' layouts (default: conv state channel stride 1,
+# SSM state key stride 1) and contiguous ones.
+state_layouts = pytest.mark.parametrize("contiguous_state", [False, True],
+                                        ids=["model-layout", "contiguous"])
 
 GPU_GEOMETRIES = {
     "qwen3.5-35b": QWEN3_5_35B_A3B,           # 16 key / 32 value heads x 128, conv 4
@@ -141,10 +145,11 @@ def check_conv_update(geometry: GDNGeometry, num_seqs: int, num_padding: int,
 
 def check_gdn_prefill(impl: str, geometry: GDNGeometry, query_lens: list[int], has_state: str,
                       dtype: torch.dtype, state_dtype: torch.dtype, num_slots: int,
-                      device: str) -> None:
+                      device: str, contiguous_state: bool = False) -> None:
     batch = random_batch(query_lens, num_slots, _flags(len(query_lens), has_state),
                          device=device, seed=len(query_lens))
-    x = gdn_inputs(batch, geometry, num_slots, dtype, state_dtype)
+    x = gdn_inputs(batch, geometry, num_slots, dtype, state_dtype,
+                   contiguous_state=contiguous_state)
     before = x.ssm_state.clone()
     ref_state = x.ssm_state.clone()
     ref = reference.gdn_prefill(*dataclasses.replace(x, ssm_state=ref_state).args())
@@ -156,7 +161,7 @@ def check_gdn_prefill(impl: str, geometry: GDNGeometry, query_lens: list[int], h
 
 def check_gdn_decode(geometry: GDNGeometry, num_seqs: int, num_padding: int,
                      dtype: torch.dtype, state_dtype: torch.dtype, num_slots: int,
-                     device: str) -> None:
+                     device: str, contiguous_state: bool = False) -> None:
     """Three chained steps, the first with some sequences starting fresh."""
     tol = _tolerance("triton", dtype, state_dtype)
     state = ref_state = before = None
@@ -164,7 +169,8 @@ def check_gdn_decode(geometry: GDNGeometry, num_seqs: int, num_padding: int,
         batch = random_batch([1] * num_seqs, num_slots,
                              _flags(num_seqs, "mixed") if step == 0 else True, num_padding,
                              device=device, seed=num_seqs)
-        x = gdn_inputs(batch, geometry, num_slots, dtype, state_dtype, seed=step)
+        x = gdn_inputs(batch, geometry, num_slots, dtype, state_dtype, seed=step,
+                       contiguous_state=contiguous_state)
         if state is None:
             state, ref_state, before = x.ssm_state, x.ssm_state.clone(), x.ssm_state.clone()
         ref = reference.gdn_decode(*dataclasses.replace(x, ssm_state=ref_state).args())
@@ -234,11 +240,13 @@ def test_gdn_prefill_parity(impl, geometry, lens, has_state, state_dtype):
 
 
 @cuda
+@state_layouts
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
 @pytest.mark.parametrize("batch", GPU_DECODE.values(), ids=GPU_DECODE.keys())
 @pytest.mark.parametrize("geometry", GPU_GEOMETRIES.values(), ids=GPU_GEOMETRIES.keys())
-def test_gdn_decode_parity(geometry, batch, state_dtype):
-    check_gdn_decode(geometry, *batch, torch.bfloat16, state_dtype, GPU_SLOTS, "cuda")
+def test_gdn_decode_parity(geometry, batch, state_dtype, contiguous_state):
+    check_gdn_decode(geometry, *batch, torch.bfloat16, state_dtype, GPU_SLOTS, "cuda",
+                     contiguous_state)
 
 
 def _decode_step(qkv: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
@@ -407,12 +415,6 @@ def test_triton_interpreter():
     run_interpreted_tests(__file__)
 
 
-# The conv kernels take any state strides: the models' channel-contiguous layout (default) and
-# a contiguous one.
-state_layouts = pytest.mark.parametrize("contiguous_state", [False, True],
-                                        ids=["channel-contiguous", "contiguous"])
-
-
 @interpreted
 @state_layouts
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
@@ -434,21 +436,24 @@ def test_interpreted_conv_update(geometry, batch, state_dtype, contiguous_state)
 
 
 @interpreted
+@state_layouts
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
 @pytest.mark.parametrize("has_state", ["fresh", "mixed"])
 @pytest.mark.parametrize("lens", TINY_PREFILL.values(), ids=TINY_PREFILL.keys())
 @pytest.mark.parametrize("geometry", TINY_GEOMETRIES.values(), ids=TINY_GEOMETRIES.keys())
-def test_interpreted_gdn_prefill(geometry, lens, has_state, state_dtype):
+def test_interpreted_gdn_prefill(geometry, lens, has_state, state_dtype, contiguous_state):
     check_gdn_prefill("triton", geometry, lens, has_state, torch.float32, state_dtype,
-                      TINY_SLOTS, "cpu")
+                      TINY_SLOTS, "cpu", contiguous_state)
 
 
 @interpreted
+@state_layouts
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
 @pytest.mark.parametrize("batch", TINY_DECODE.values(), ids=TINY_DECODE.keys())
 @pytest.mark.parametrize("geometry", TINY_GEOMETRIES.values(), ids=TINY_GEOMETRIES.keys())
-def test_interpreted_gdn_decode(geometry, batch, state_dtype):
-    check_gdn_decode(geometry, *batch, torch.float32, state_dtype, TINY_SLOTS, "cpu")
+def test_interpreted_gdn_decode(geometry, batch, state_dtype, contiguous_state):
+    check_gdn_decode(geometry, *batch, torch.float32, state_dtype, TINY_SLOTS, "cpu",
+                     contiguous_state)
 
 
 @interpreted

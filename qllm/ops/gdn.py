@@ -20,7 +20,8 @@ Split of work between the model layer and these ops (matching transformers'
 
 State layout, per linear-attention layer: ``conv_state [S + 1, C, K - 1]`` (``C`` = conv_dim;
 any strides: the models store it taps-outer, channel stride 1) and ``ssm_state
-[S + 1, Hv, dk, dv]`` (slot ``S`` is the padding slot). Sequence ``i`` owns
+[S + 1, Hv, dk, dv]`` (any strides: the models store it value-major, key stride 1; slot ``S``
+is the padding slot). Sequence ``i`` owns
 slot ``batch.recurrent_slots[i]``; where ``batch.has_initial_state[i]`` is False its state is
 read as zeros (a reused slot never leaks its previous owner's state). Every op writes the
 state after its last token back into the slot.

@@ -81,8 +81,8 @@ class ConvInputs:
 class GDNInputs:
     """``q, k [T, Hk, dk]`` and ``v [T, Hv, dv]`` raw views into one ``[T, C]`` tensor,
     ``g [T, Hv]`` fp32 (model-like decays), ``beta [T, Hv]``, stale-filled
-    ``ssm_state [S + 1, Hv, dk, dv]`` (contiguous, or a transposed view of a value-major
-    ``[S + 1, Hv, dv, dk]`` tensor)."""
+    ``ssm_state [S + 1, Hv, dk, dv]`` (key stride 1, as the models store it, unless asked for
+    contiguous)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -122,9 +122,10 @@ def conv_inputs(batch: ForwardBatch, geometry: GDNGeometry, num_slots: int,
 
 def gdn_inputs(batch: ForwardBatch, geometry: GDNGeometry, num_slots: int,
                dtype: torch.dtype, state_dtype: torch.dtype, seed: int = 0,
-               value_major_state: bool = False) -> GDNInputs:
-    """Gated delta rule inputs for ``batch``'s tokens, on its device; ``value_major_state``
-    stores the state ``[S + 1, Hv, dv, dk]`` and hands the ops its transposed view."""
+               contiguous_state: bool = False) -> GDNInputs:
+    """Gated delta rule inputs for ``batch``'s tokens, on its device. The state is a
+    value-major ``[S + 1, Hv, dv, dk]`` tensor seen as ``[S + 1, Hv, dk, dv]``, or with
+    ``contiguous_state`` a contiguous one."""
     device = batch.query_start_loc.device
     gen = torch.Generator(device=device).manual_seed(seed)
     tokens = batch.slot_mapping.shape[0]
@@ -143,7 +144,7 @@ def gdn_inputs(batch: ForwardBatch, geometry: GDNGeometry, num_slots: int,
     return GDNInputs(
         q=q.unflatten(-1, (hk, dk)), k=k.unflatten(-1, (hk, dk)), v=v.unflatten(-1, (hv, dv)),
         g=g, beta=randn(tokens, hv).sigmoid().to(dtype),
-        ssm_state=((0.5 * randn(num_slots + 1, hv, dv, dk)).to(state_dtype).transpose(-1, -2)
-                   if value_major_state else
-                   (0.5 * randn(num_slots + 1, hv, dk, dv)).to(state_dtype)),
+        ssm_state=((0.5 * randn(num_slots + 1, hv, dk, dv)).to(state_dtype)
+                   if contiguous_state else
+                   (0.5 * randn(num_slots + 1, hv, dv, dk)).to(state_dtype).transpose(-1, -2)),
         batch=batch)

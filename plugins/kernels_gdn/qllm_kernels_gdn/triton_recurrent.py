@@ -2,7 +2,8 @@
 (contract and reference: ``qllm.ops.gdn``).
 
 One program per (block of ``BV`` value dims, value head, sequence) holds its ``[dk, BV]`` slice
-of the state in registers in fp32 and walks the sequence's tokens in order; per token it
+of the state in registers in fp32 (any state strides; the models store it value-major, so the
+slice is one contiguous block) and walks the sequence's tokens in order; per token it
 L2-normalises ``q`` and ``k`` of its key head (``head // (Hv / Hk)``: consecutive value heads
 share a key head), scales ``q`` by ``dk ** -0.5``, and runs::
 
@@ -86,16 +87,22 @@ def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _launch_config(num_seqs: int, num_heads: int, dv: int, state_dtype: torch.dtype
+def _launch_config(num_seqs: int, num_heads: int, dv: int, state: torch.Tensor
                    ) -> tuple[int, int]:
-    """``(value dims per program, warps)``. Where 32 value dims per program leave too few
-    programs to fill the GPU, 16 with 2 warps. Otherwise, by state dtype, the best of
-    ``bench_gdn.py --sweep-decode`` on the H200 at the Qwen3.5-35B-A3B geometry, batch 200
-    (2026-11-30): bf16 32 x 2 warps (141 us per layer; 162 us at 32 x 4, 149 us at 64 x 4),
-    fp32 64 x 4 warps (222 us; 238 us at 32 x 4, 231 us at 32 x 2)."""
-    if num_seqs * num_heads * triton.cdiv(dv, 32) < MIN_PROGRAMS:
+    """``(value dims per program, warps)``, from ``bench_gdn.py --sweep-decode`` on the H200 at
+    the Qwen3.5-35B-A3B geometry.
+
+    Value-major state (key stride 1, as the models store it): 16 x 1 warp, a contiguous 4 KB
+    (bf16) tile per program; at batch 200, bf16: 113 us per layer (116.7 at 64 x 8, 120.3 at
+    32 x 1), batch 64: 41.3 us (2026-11-30). Key-major (contiguous) state: where 32 value dims
+    per program leave too few programs to fill the GPU, 16 with 2 warps; otherwise bf16
+    32 x 2 warps (142 us at batch 200; 149 at 64 x 4), fp32 64 x 4 warps (222 us; 231 at
+    32 x 2)."""
+    if state.stride(-2) == 1:
+        block_v, num_warps = 16, 1
+    elif num_seqs * num_heads * triton.cdiv(dv, 32) < MIN_PROGRAMS:
         block_v, num_warps = 16, 2
-    elif state_dtype.itemsize <= 2:
+    elif state.dtype.itemsize <= 2:
         block_v, num_warps = 32, 2
     else:
         block_v, num_warps = 64, 4
@@ -117,8 +124,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     dk = q.shape[-1]
     num_seqs = slots.shape[0]
     out = v.new_empty(tokens, num_v_heads, dv)
-    default_block_v, default_warps = _launch_config(num_seqs, num_v_heads, dv,
-                                                    ssm_state.dtype)
+    default_block_v, default_warps = _launch_config(num_seqs, num_v_heads, dv, ssm_state)
     block_v, num_warps = block_v or default_block_v, num_warps or default_warps
     grid = (triton.cdiv(dv, block_v), num_v_heads, num_seqs)
     _gated_delta_rule_kernel[grid](

@@ -115,7 +115,7 @@ class GatedDeltaNet(nn.Module):
         return CacheRequirement(
             self.layer_kind,
             {"conv": (self.conv_kernel_size - 1, self.conv_dim),  # taps outer: see attach_cache
-             "ssm": (self.num_v_heads, self.head_k_dim, self.head_v_dim)},
+             "ssm": (self.num_v_heads, self.head_v_dim, self.head_k_dim)},  # value-major
             {"conv": self.conv_dtype, "ssm": self.ssm_dtype})
 
     def attach_cache(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -123,7 +123,10 @@ class GatedDeltaNet(nn.Module):
         # contiguous, so a kernel walking channels reads and writes each tap coalesced.
         conv_state = tensors["conv"].transpose(1, 2)  # [S+1, C, K-1], channel stride 1
         self.register_buffer("conv_state", conv_state, persistent=False)
-        self.register_buffer("ssm_state", tensors["ssm"], persistent=False)  # [S+1, Hv, dk, dv]
+        # The ops take ssm_state as [S+1, Hv, dk, dv]; stored value-major, the [dk, BV] tile a
+        # decode program updates is one contiguous block of BV rows of dk.
+        ssm_state = tensors["ssm"].transpose(-1, -2)  # [S+1, Hv, dk, dv], key stride 1
+        self.register_buffer("ssm_state", ssm_state, persistent=False)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``hidden [T, H]`` -> ``[T, H]``."""
