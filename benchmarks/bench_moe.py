@@ -1,8 +1,9 @@
 """Micro-benchmark of the Triton fused MoE against the plain-torch reference, and its tuner.
 
-Qwen3.5-35B-A3B routed experts (256 experts, top-8, hidden 2048, expert size 512, bf16):
-decode at batch 1/16/64/200/256 and a 4096-token prefill, routed like the model's router (top-8
-of a softmax over random logits). Times are medians of ``triton.testing.do_bench`` (L2 flushed
+Qwen3.5-35B-A3B experts (256 routed, top-8, plus the shared expert as a ninth slot per token;
+hidden 2048, expert size 512, bf16): decode at batch 1/16/64/200/256 and a 4096-token prefill,
+routed like the model's router (top-8 of a softmax over random logits, then the shared
+expert). Times are medians of ``triton.testing.do_bench`` (L2 flushed
 between calls). Decode runs in CUDA graphs in the engine, so its ``ms`` is a graph replay
 (``eager_ms``: plain calls, CPU launch cost included); prefill runs eagerly. ``align_ms`` is
 the torch slot sort alone, ``tr_align`` the one-program Triton align where it applies. GB/s
@@ -67,7 +68,7 @@ def time_ms(call, graph: bool, rep: int = 100) -> float:
 
 def traffic(inputs: MoeInputs) -> tuple[int, int]:
     """(bytes, flops) of one call: each expert hit read once, x read, the output ``[T, H]``
-    written; three matmuls (gate, up, down) per routed slot."""
+    written; three matmuls (gate, up, down) per slot, the shared expert's included."""
     expert_params = 3 * INTER * HIDDEN
     experts_hit = inputs.topk_ids.unique().numel()
     nbytes = (experts_hit * expert_params + 2 * inputs.x.numel()) * inputs.x.element_size()
@@ -89,11 +90,11 @@ def measure(name: str, tokens: int, impls: list[str]) -> list[dict]:
         if impl == "triton":
             ms = time_ms(lambda: fn(*inputs), graph=True) if graph else eager_ms
             block_m = get_config(tokens, EXPERTS, 2 * INTER, HIDDEN, TOP_K).BLOCK_M
-            align_ms = round(time_ms(lambda: moe_align(inputs.topk_ids, EXPERTS, block_m),
+            align_ms = round(time_ms(lambda: moe_align(inputs.topk_ids, EXPERTS + 1, block_m),
                                      graph), 4)
             if inputs.topk_ids.numel() <= MAX_SLOTS:
                 triton_align_ms = round(time_ms(
-                    lambda: moe_align_triton(inputs.topk_ids, EXPERTS, block_m), graph), 4)
+                    lambda: moe_align_triton(inputs.topk_ids, EXPERTS + 1, block_m), graph), 4)
         gbps = nbytes / ms / 1e6
         rows.append(dict(case=name, impl=impl, tokens=tokens, ms=round(ms, 4),
                          eager_ms=round(eager_ms, 4), align_ms=align_ms,
@@ -158,7 +159,7 @@ def best_gemm(run, candidates, graph: bool) -> tuple[float, GemmConfig]:
 def tune_tokens(tokens: int, grid: dict) -> tuple[MoeConfig, float]:
     """The fastest config (sort + both GEMMs) for ``tokens`` tokens, and its time in ms."""
     inputs = moe_inputs(tokens, EXPERTS, HIDDEN, INTER, TOP_K, DTYPE, "cuda")
-    x, w13, w2, topk_weights, topk_ids = inputs
+    x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2 = inputs
     graph = tokens <= 256
     slots_per_expert = tokens * TOP_K / EXPERTS
     best = (float("inf"), None)
@@ -167,14 +168,14 @@ def tune_tokens(tokens: int, grid: dict) -> tuple[MoeConfig, float]:
             continue
         many = slots_per_expert > block_m
         align = moe_align_triton if topk_ids.numel() <= MAX_SLOTS else moe_align
-        sorted_slots = align(topk_ids, EXPERTS, block_m)
-        align_ms = time_ms(lambda: align(topk_ids, EXPERTS, block_m), graph)
+        sorted_slots = align(topk_ids, EXPERTS + 1, block_m)
+        align_ms = time_ms(lambda: align(topk_ids, EXPERTS + 1, block_m), graph)
         up_ms, up = best_gemm(
-            lambda c: gate_up(x, w13, sorted_slots, TOP_K, block_m, c),
+            lambda c: gate_up(x, w13, shared_w13, sorted_slots, TOP_K + 1, block_m, c),
             gemm_candidates(block_m, True, many, grid), graph)
-        hidden = gate_up(x, w13, sorted_slots, TOP_K, block_m, up)
+        hidden = gate_up(x, w13, shared_w13, sorted_slots, TOP_K + 1, block_m, up)
         down_ms, dn = best_gemm(
-            lambda c: down(hidden, w2, topk_weights, sorted_slots, block_m, c),
+            lambda c: down(hidden, w2, shared_w2, topk_weights, sorted_slots, block_m, c),
             gemm_candidates(block_m, False, many, grid), graph)
         total = align_ms + up_ms + down_ms
         print(f"  T={tokens} BLOCK_M={block_m}: align {align_ms:.4f} + up {up_ms:.4f} "
@@ -182,7 +183,7 @@ def tune_tokens(tokens: int, grid: dict) -> tuple[MoeConfig, float]:
         best = min(best, (total, MoeConfig(block_m, up, dn)), key=lambda pair: pair[0])
     total, config = best
     reference = torch_fused_moe(x.float(), w13.float(), w2.float(), topk_weights.float(),
-                                topk_ids)
+                                topk_ids, shared_w13.float(), shared_w2.float())
     torch.testing.assert_close(fused_moe_triton(*inputs, config=config).float(), reference,
                                atol=2e-2, rtol=2e-2)
     return config, total

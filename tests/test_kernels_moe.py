@@ -62,9 +62,9 @@ TINY_CONFIGS = {
 
 def _reference(inputs: MoeInputs) -> torch.Tensor:
     """The plain-torch op in fp32 on the same (rounded) inputs."""
-    x, w13, w2, topk_weights, topk_ids = inputs
+    x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2 = inputs
     return reference.fused_moe(x.float(), w13.float(), w2.float(), topk_weights.float(),
-                               topk_ids)
+                               topk_ids, shared_w13.float(), shared_w2.float())
 
 
 def _assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -96,12 +96,14 @@ router_cases = pytest.mark.parametrize("tokens,experts,top_k,renormalize",
 
 
 def router_logits(tokens: int, experts: int, dtype: torch.dtype, device: str) -> torch.Tensor:
-    """Router logits, distinct within each row (a tie would let either expert win): a random
-    permutation of multiples of 1/16, exact in fp16 and bf16 up to 256 experts."""
+    """``[T, E + 1]``: router logits distinct within each row (a tie would let either expert
+    win), a random permutation of multiples of 1/16, exact in fp16 and bf16 up to 256 experts;
+    then the shared expert's gate logit, a multiple of 1/16 in [-4, 4)."""
     generator = torch.Generator().manual_seed(tokens * 1000 + experts)
     rows = [torch.randperm(experts, generator=generator) for _ in range(tokens)]
     logits = torch.stack(rows) if rows else torch.empty(0, experts, dtype=torch.long)
-    return (logits.float() / 16).to(dtype).to(device)
+    gate = torch.randint(-64, 64, (tokens, 1), generator=generator)
+    return (torch.cat([logits, gate], dim=1).float() / 16).to(dtype).to(device)
 
 
 def check_router(tokens, experts, top_k, renormalize, dtype, device) -> None:
@@ -221,7 +223,8 @@ align_cases = pytest.mark.parametrize("tokens,experts,top_k,skew", ALIGN_CASES.v
 @align_cases
 def test_moe_align(tokens, experts, top_k, skew, block_m, id_dtype):
     topk_ids = moe_inputs(tokens, experts, 8, 8, top_k, skew=skew).topk_ids.to(id_dtype)
-    num_slots = tokens * top_k
+    experts += 1  # the shared expert's slot: expert E
+    num_slots = tokens * (top_k + 1)
     slots, block_experts, num_blocks = moe_align(topk_ids, experts, block_m)
     padded = max_padded_slots(num_slots, experts, block_m)
     assert slots.shape == (padded,) and block_experts.shape == (padded // block_m,)
@@ -256,6 +259,7 @@ def check_triton_align(tokens, experts, top_k, skew, block_m, device) -> None:
     from qllm_kernels_moe.triton_align import moe_align_triton
 
     topk_ids = moe_inputs(tokens, experts, 8, 8, top_k, skew=skew).topk_ids.to(device)
+    experts += 1  # the shared expert's slot: expert E
     slots, block_experts, num_blocks = moe_align_triton(topk_ids, experts, block_m)
     expected = moe_align(topk_ids, experts, block_m)
     assert torch.equal(block_experts, expected.block_experts)
@@ -310,9 +314,9 @@ def test_config_table():
     assert default_config(1, 256, 8).BLOCK_M < default_config(4096, 256, 8).BLOCK_M
 
 
-def _moe_layer(x, w13, w2, topk_weights, topk_ids):
+def _moe_layer(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2):
     """How the model calls the registered kernel (``Experts.forward``)."""
-    return ops.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    return ops.fused_moe(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2)
 
 
 def test_compile_fullgraph_on_fake_path():
@@ -321,7 +325,7 @@ def test_compile_fullgraph_on_fake_path():
 
     def run(backend):
         compiled = torch.compile(_moe_layer, fullgraph=True, dynamic=True, backend=backend)
-        for tokens in (3, 5):
+        for tokens in (5, 7):  # not k + 1 = 3: Dynamo would tie the two sizes
             inputs = [t.to("meta") for t in moe_inputs(tokens, 8, 32, 16, 2)]
             out = compiled(*inputs)
             assert out.device.type == "meta" and out.shape == (tokens, 32)
@@ -339,9 +343,9 @@ def test_router_compiles_fullgraph_on_fake_path():
     def run(backend):
         compiled = torch.compile(route, fullgraph=True, dynamic=True, backend=backend)
         for tokens in (3, 5):
-            weights, ids = compiled(torch.empty(tokens, 16, dtype=torch.bfloat16,
+            weights, ids = compiled(torch.empty(tokens, 17, dtype=torch.bfloat16,
                                                 device="meta"))
-            assert weights.shape == ids.shape == (tokens, 4)
+            assert weights.shape == ids.shape == (tokens, 5)
             assert weights.dtype == torch.bfloat16 and ids.dtype == torch.int64
 
     (graph,) = graphs_traced_by(run)

@@ -14,8 +14,10 @@ moe = pytest.importorskip("qllm_qwen3_5.moe")
 E, H, INTER, K = 6, 16, 8, 2
 
 
-def naive_moe(x, w13, w2, topk_weights, topk_ids):
-    """The weighted sum of each token's experts, ``[T, H]``, one (token, slot) at a time."""
+def naive_moe(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2):
+    """The weighted sum of each token's experts (expert ``E``: the shared one), ``[T, H]``,
+    one (token, slot) at a time."""
+    w13, w2 = torch.cat([w13, shared_w13[None]]), torch.cat([w2, shared_w2[None]])
     out = torch.zeros(x.shape)
     for t in range(x.shape[0]):
         for weight, e in zip(topk_weights[t], topk_ids[t].tolist()):
@@ -25,12 +27,15 @@ def naive_moe(x, w13, w2, topk_weights, topk_ids):
 
 
 def routed_inputs(tokens: int, seed: int = 0):
+    """Routing as the router gives it: top-``K`` of ``E`` routed experts, then the shared one."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, H, generator=gen)
     w13, w2 = torch.randn(E, 2 * INTER, H, generator=gen), torch.randn(E, H, INTER, generator=gen)
-    probs = torch.randn(tokens, E, generator=gen).softmax(-1)
-    topk_weights, topk_ids = probs.topk(K, dim=-1)
-    return x, w13, w2, topk_weights, topk_ids
+    weights, ids = moe.moe_router(torch.randn(tokens, E + 1, generator=gen), top_k=K,
+                                  renormalize=True)
+    shared_w13 = torch.randn(2 * INTER, H, generator=gen)
+    shared_w2 = torch.randn(H, INTER, generator=gen)
+    return x, w13, w2, weights, ids, shared_w13, shared_w2
 
 
 @pytest.mark.parametrize("path", ["grouped", "dense"])
@@ -42,24 +47,25 @@ def test_fused_moe_matches_slot_by_slot(monkeypatch, path, tokens):
     torch.testing.assert_close(moe.fused_moe(*inputs), naive_moe(*inputs), atol=1e-4, rtol=1e-5)
 
 
-def test_router_renormalises_top_k_in_fp32():
-    weights, ids = moe.moe_router(torch.randn(3, E), top_k=K, renormalize=True)
-    torch.testing.assert_close(weights.sum(-1), torch.ones(3))
-    assert ids.shape == (3, K)
+def test_router_renormalises_top_k_in_fp32_then_adds_the_shared_expert():
+    logits = torch.randn(3, E + 1)
+    weights, ids = moe.moe_router(logits, top_k=K, renormalize=True)
+    assert weights.shape == ids.shape == (3, K + 1)
+    torch.testing.assert_close(weights[:, :K].sum(-1), torch.ones(3))
+    torch.testing.assert_close(weights[:, K], logits[:, E].sigmoid())
+    assert (ids[:, K] == E).all() and (ids[:, :K] < E).all()
 
 
-def test_input_projection_shards_start_16_byte_aligned():
-    """The packed router / shared-expert projection of the real geometry: its 1,281 rows are
-    padded to a multiple of 8 with the one-row gate last, so the bf16 output rows and every
-    wide shard start on 16 bytes (cuBLAS otherwise picks its slow ``align1`` kernels), and
-    ``split`` drops the padding."""
+def test_input_projection_holds_router_then_shared_gate():
+    """The packed router / shared-gate projection of the real geometry: the 257 rows (the
+    shared gate right after the router, so the router op reads both as one view) are padded to
+    a multiple of 8, so the bf16 output rows start on 16 bytes (cuBLAS otherwise picks its slow
+    ``align1`` kernels)."""
     from transformers import Qwen3_5MoeTextConfig
 
     kernels = SimpleNamespace(moe_router=moe.moe_router, fused_moe=moe.fused_moe)
     with torch.device("meta"):
         block = moe.SparseMoeBlock(Qwen3_5MoeTextConfig(), kernels, renormalize=True)
     proj = block.input_proj
-    assert proj.out_features == 1288
-    assert [offset % 8 for offset, size in proj.shard_offsets.values() if size > 1] == [0, 0, 0]
-    shards = proj.split(torch.zeros(3, proj.out_features))
-    assert [s.shape[-1] for s in shards] == [256, 512, 512, 1]
+    assert proj.out_features == 264
+    assert proj.shard_offsets == {"router": (0, 256), "shared_expert_gate": (256, 1)}

@@ -15,27 +15,30 @@ import torch
 
 @torch.library.custom_op("qllm_moe::fused_moe", mutates_args=())
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, shared_w13: torch.Tensor,
+              shared_w2: torch.Tensor) -> torch.Tensor:
     """Routed SwiGLU experts: ``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows, then up rows),
-    ``w2 [E, H, I]``, ``topk_weights`` / ``topk_ids`` ``[T, k]`` -> the sum of each token's
-    expert outputs times their routing weights, ``[T, H]`` in ``x.dtype``; the contract of
-    qllm's ``fused_moe`` op (plain-torch reference in ``qllm_qwen3_5.moe``)."""
+    ``w2 [E, H, I]``, the shared expert (id ``E``) ``shared_w13 [2I, H]`` and ``shared_w2
+    [H, I]``, ``topk_weights`` / ``topk_ids`` ``[T, k]`` -> the sum of each token's expert
+    outputs times their routing weights, ``[T, H]`` in ``x.dtype``; the contract of qllm's
+    ``fused_moe`` op (plain-torch reference in ``qllm_qwen3_5.moe``)."""
     from qllm_kernels_moe.triton_moe import fused_moe_triton
 
-    return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2)
 
 
 @fused_moe.register_fake
-def _fused_moe_fake(x, w13, w2, topk_weights, topk_ids):
+def _fused_moe_fake(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2):
     return x.new_empty(x.shape)
 
 
 @torch.library.custom_op("qllm_moe::moe_router", mutates_args=())
 def moe_router(logits: torch.Tensor, top_k: int,
                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax in fp32, top-k, optional renormalisation: ``logits [T, E]`` -> ``(weights
-    [T, k] in logits.dtype, ids [T, k] int64)``; the contract of qllm's ``moe_router`` op
-    (plain-torch reference in ``qllm_qwen3_5.moe``)."""
+    """Router logits then the shared expert's gate logit, ``[T, E + 1]`` -> ``(weights
+    [T, k + 1] in logits.dtype, ids [T, k + 1] int64)``: softmax over the ``E`` in fp32, top-k,
+    optional renormalisation, then the shared expert (id ``E``) weighted ``sigmoid(gate)``; the
+    contract of qllm's ``moe_router`` op (plain-torch reference in ``qllm_qwen3_5.moe``)."""
     from qllm_kernels_moe.triton_router import moe_router_triton
 
     return moe_router_triton(logits, top_k, renormalize)
@@ -44,5 +47,5 @@ def moe_router(logits: torch.Tensor, top_k: int,
 @moe_router.register_fake
 def _moe_router_fake(logits, top_k, renormalize):
     tokens = logits.shape[0]
-    return (logits.new_empty(tokens, top_k),
-            logits.new_empty(tokens, top_k, dtype=torch.int64))
+    return (logits.new_empty(tokens, top_k + 1),
+            logits.new_empty(tokens, top_k + 1, dtype=torch.int64))

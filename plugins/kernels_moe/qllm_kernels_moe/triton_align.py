@@ -6,7 +6,7 @@ then final: their order of adds does not change a count); a cumulative sum of th
 rounded up to ``BLOCK_M`` places each expert's run; each slot lands at its run's start plus
 its rank, and each run's tail gets the padding sentinel ``S``. No sort and no pass over the
 whole padded list: the work is ``S`` atomics plus ``E * BLOCK_M`` sentinel stores, so one
-program serves up to ``MAX_SLOTS`` slots (decode batches of up to 512 tokens at top-8); larger
+program serves up to ``MAX_SLOTS`` slots (decode batches of up to 512 tokens at 9 slots); larger
 (prefill) batches take the torch version.
 
 The output equals the torch version's on the blocks in use, except for the order of the slots
@@ -25,7 +25,7 @@ import triton.language as tl
 
 from qllm_kernels_moe.align import SortedSlots, max_padded_slots
 
-MAX_SLOTS = 4096
+MAX_SLOTS = 512 * 9  # decode batches of up to 512 tokens at top-8 plus the shared expert
 
 
 @triton.jit

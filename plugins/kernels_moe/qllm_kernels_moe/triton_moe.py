@@ -1,12 +1,15 @@
 """Fused MoE on Triton: token slots sorted by expert, then two grouped GEMMs.
 
-With ``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows, then up rows), ``w2 [E, H, I]`` and top-k
-routing ``[T, k]`` (``S = T * k`` slots, slot ``t * k + j``):
+With ``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows, then up rows), ``w2 [E, H, I]``, the shared
+expert's ``[2I, H]`` and ``[H, I]`` weights as expert ``E``, and routing ``[T, k]`` (``S = T * k``
+slots, slot ``t * k + j``; the model's last slot per token is the shared expert's):
 
-1. ``moe_align`` lists the slots grouped by expert, in blocks of ``BLOCK_M`` of one expert
-   (one Triton program up to ``triton_align.MAX_SLOTS`` slots, torch sort beyond).
+1. ``moe_align`` lists the slots grouped by expert (``E + 1`` of them), in blocks of
+   ``BLOCK_M`` of one expert (one Triton program up to ``triton_align.MAX_SLOTS`` slots, torch
+   sort beyond).
 2. ``gate_up``: per block, the tokens' rows of ``x`` times the expert's gate and up rows (two
-   accumulators over the same ``x`` tile), epilogue ``silu(gate) * up`` -> ``hidden [S, I]``.
+   accumulators over the same ``x`` tile; a block of expert ``E`` reads the shared expert's
+   weights), epilogue ``silu(gate) * up`` -> ``hidden [S, I]``.
 3. ``down``: per block, ``hidden``'s rows times the expert's ``w2``, epilogue times the slot's
    routing weight -> ``expert_out [S, H]``.
 4. ``sum_slots``: the k slots of a token are adjacent rows of ``expert_out``; one program per
@@ -33,15 +36,16 @@ SUM_BLOCK_N = 1024  # columns per program of the slot sum: 8 bf16 (16 bytes) per
 
 @triton.jit(do_not_specialize=["num_slots"])
 def _expert_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, routing_weights_ptr,
+    a_ptr, w_ptr, shared_w_ptr, out_ptr, routing_weights_ptr,
     slots_ptr, block_experts_ptr, num_blocks_ptr,
-    num_slots, N, K,
+    num_slots, num_experts, N, K,
     stride_a_row, stride_w_expert, stride_w_row, stride_out_row,
     SLOTS_PER_A_ROW: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """``out[s, n] = sum_k a[s // SLOTS_PER_A_ROW, k] * w[e, n, k]`` for the slots ``s`` of one
-    block of expert ``e``, and ``BLOCK_N`` columns ``n``. ``GATED`` (GEMM 1): ``w`` holds ``N``
+    block of expert ``e``, and ``BLOCK_N`` columns ``n``; expert ``num_experts`` is
+    ``shared_w`` (one expert's weights, same row stride). ``GATED`` (GEMM 1): ``w`` holds ``N``
     gate rows then ``N`` up rows, and ``out = silu(gate) * up``. Otherwise (GEMM 2) ``out`` is
     scaled by ``routing_weights[s]``. Rows of ``a``, ``w``, ``out`` have unit stride."""
     pid = tl.program_id(0)
@@ -58,14 +62,17 @@ def _expert_gemm_kernel(
         return
 
     expert = tl.load(block_experts_ptr + pid_m)
+    if expert == num_experts:
+        expert_w_ptr = shared_w_ptr
+    else:
+        expert_w_ptr = w_ptr + expert * stride_w_expert
     slots = tl.load(slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     slot_mask = slots < num_slots  # padding entries hold num_slots
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     col_mask = cols < N
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (slots // SLOTS_PER_A_ROW)[:, None] * stride_a_row + ks[None, :]  # [BM, BK]
-    w_ptrs = (w_ptr + expert * stride_w_expert + cols[None, :] * stride_w_row
-              + ks[:, None])  # [BK, BN]: a tile of w[e]^T
+    w_ptrs = expert_w_ptr + cols[None, :] * stride_w_row + ks[:, None]  # [BK, BN]: w[e]^T
     up_ptrs = w_ptrs + N * stride_w_row  # GATED: the up rows, N below the gate rows
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -116,15 +123,15 @@ def sum_slots(expert_out: torch.Tensor, top_k: int) -> torch.Tensor:
     return out
 
 
-def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, routing_weights: torch.Tensor,
-            sorted_slots: SortedSlots, block_m: int, config: GemmConfig, *,
-            slots_per_a_row: int, gated: bool) -> torch.Tensor:
+def _launch(a: torch.Tensor, w: torch.Tensor, shared_w: torch.Tensor, out: torch.Tensor,
+            routing_weights: torch.Tensor, sorted_slots: SortedSlots, block_m: int,
+            config: GemmConfig, *, slots_per_a_row: int, gated: bool) -> torch.Tensor:
     n = out.shape[1]
     grid = (sorted_slots.block_experts.shape[0] * triton.cdiv(n, config.BLOCK_N),)
     _expert_gemm_kernel[grid](
-        a, w, out, routing_weights,
+        a, w, shared_w, out, routing_weights,
         sorted_slots.slots, sorted_slots.block_experts, sorted_slots.num_blocks,
-        out.shape[0], n, a.shape[1],
+        out.shape[0], w.shape[0], n, a.shape[1],
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         SLOTS_PER_A_ROW=slots_per_a_row, GATED=gated,
         BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
@@ -133,48 +140,57 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, routing_weights
     return out
 
 
-def gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_slots: SortedSlots, top_k: int,
-            block_m: int, config: GemmConfig) -> torch.Tensor:
-    """GEMM 1: ``x [T, H]`` through each slot's expert ``w13 [E, 2I, H]`` ->
-    ``silu(gate) * up`` as ``hidden [S, I]`` (row = slot)."""
+def gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor,
+            sorted_slots: SortedSlots, top_k: int, block_m: int,
+            config: GemmConfig) -> torch.Tensor:
+    """GEMM 1: ``x [T, H]`` through each slot's expert ``w13 [E, 2I, H]`` (expert ``E``:
+    ``shared_w13 [2I, H]``) -> ``silu(gate) * up`` as ``hidden [S, I]`` (row = slot)."""
     hidden = x.new_empty(top_k * x.shape[0], w13.shape[1] // 2)
     # no routing weights in GEMM 1: ``hidden`` stands in for the unused pointer
-    return _launch(x, w13, hidden, hidden, sorted_slots, block_m, config,
+    return _launch(x, w13, shared_w13, hidden, hidden, sorted_slots, block_m, config,
                    slots_per_a_row=top_k, gated=True)
 
 
-def down(hidden: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-         sorted_slots: SortedSlots, block_m: int, config: GemmConfig) -> torch.Tensor:
-    """GEMM 2: ``hidden [S, I]`` through each slot's expert ``w2 [E, H, I]``, times the slot's
-    routing weight (``topk_weights [T, k]``, contiguous) -> ``[S, H]``."""
+def down(hidden: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor,
+         topk_weights: torch.Tensor, sorted_slots: SortedSlots, block_m: int,
+         config: GemmConfig) -> torch.Tensor:
+    """GEMM 2: ``hidden [S, I]`` through each slot's expert ``w2 [E, H, I]`` (expert ``E``:
+    ``shared_w2 [H, I]``), times the slot's routing weight (``topk_weights [T, k]``,
+    contiguous) -> ``[S, H]``."""
     expert_out = hidden.new_empty(hidden.shape[0], w2.shape[1])
-    return _launch(hidden, w2, expert_out, topk_weights, sorted_slots, block_m, config,
-                   slots_per_a_row=1, gated=False)
+    return _launch(hidden, w2, shared_w2, expert_out, topk_weights, sorted_slots, block_m,
+                   config, slots_per_a_row=1, gated=False)
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                     shared_w13: torch.Tensor, shared_w2: torch.Tensor,
                      config: MoeConfig | None = None) -> torch.Tensor:
     """Routed SwiGLU experts, the same contract as the plain-torch ``fused_moe``: ``x [T, H]``,
-    ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``topk_weights`` / ``topk_ids [T, k]`` -> the
-    routing-weighted sum of each token's experts ``[T, H]`` in ``x.dtype``. ``config``
-    defaults to the table entry for ``T``."""
+    ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, the shared expert (id ``E``) ``shared_w13 [2I, H]``
+    and ``shared_w2 [H, I]``, ``topk_weights`` / ``topk_ids [T, k]`` -> the routing-weighted
+    sum of each token's experts ``[T, H]`` in ``x.dtype``. ``config`` defaults to the table
+    entry for ``T``."""
     tokens, hidden_size = x.shape
     num_experts, gate_up_rows, _ = w13.shape
     top_k = topk_ids.shape[1]
     if (w13.shape[2] != hidden_size or w2.shape != (num_experts, hidden_size, gate_up_rows // 2)
-            or w13.stride(-1) != 1 or w2.stride(-1) != 1):
-        raise ValueError(f"unsupported expert weights: w13 {tuple(w13.shape)} strides "
-                         f"{w13.stride()}, w2 {tuple(w2.shape)} strides {w2.stride()} for x "
-                         f"{tuple(x.shape)}; expected contiguous [E, 2I, H] and [E, H, I]")
+            or shared_w13.shape != w13.shape[1:] or shared_w2.shape != w2.shape[1:]
+            or any(w.stride()[-2:] != (w.shape[-1], 1) for w in (w13, w2, shared_w13, shared_w2))):
+        raise ValueError(
+            f"unsupported expert weights: w13 {tuple(w13.shape)} strides {w13.stride()}, w2 "
+            f"{tuple(w2.shape)} strides {w2.stride()}, shared {tuple(shared_w13.shape)} and "
+            f"{tuple(shared_w2.shape)} for x {tuple(x.shape)}; expected [E, 2I, H] and "
+            "[E, H, I] with contiguous rows, and one expert's [2I, H] and [H, I]")
     if tokens == 0:
         return x.new_zeros(tokens, hidden_size)
     if config is None:
         config = get_config(tokens, num_experts, gate_up_rows, hidden_size, top_k)
     x = x if x.stride(-1) == 1 else x.contiguous()
     align = moe_align_triton if topk_ids.numel() <= MAX_SLOTS else moe_align
-    sorted_slots = align(topk_ids, num_experts, config.BLOCK_M)
-    hidden = gate_up(x, w13, sorted_slots, top_k, config.BLOCK_M, config.up)  # [S, I]
-    expert_out = down(hidden, w2, topk_weights.contiguous(), sorted_slots, config.BLOCK_M,
-                      config.down)  # [S, H]
+    sorted_slots = align(topk_ids, num_experts + 1, config.BLOCK_M)
+    hidden = gate_up(x, w13, shared_w13, sorted_slots, top_k, config.BLOCK_M,
+                     config.up)  # [S, I]
+    expert_out = down(hidden, w2, shared_w2, topk_weights.contiguous(), sorted_slots,
+                      config.BLOCK_M, config.down)  # [S, H]
     return sum_slots(expert_out, top_k)

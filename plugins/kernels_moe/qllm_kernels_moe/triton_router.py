@@ -1,7 +1,8 @@
 """The MoE router's tail as one Triton program per token: fp32 softmax over the router
-logits, top-k (largest first; the lower expert id wins a tie), optional renormalisation.
-Replaces a softmax, a top-k selection and sort, and a division: four launches per MoE layer.
-Contract and reference: ``qllm_qwen3_5.moe.moe_router``."""
+logits, top-k (largest first; the lower expert id wins a tie), optional renormalisation, then
+the shared expert's slot (id ``E``, weight ``sigmoid`` of the gate logit that follows the
+router's). Replaces a softmax, a top-k selection and sort, a division, a sigmoid and two
+concatenations. Contract and reference: ``qllm_qwen3_5.moe.moe_router``."""
 
 from __future__ import annotations
 
@@ -33,22 +34,26 @@ def _router_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_row,
         remaining = tl.where(experts == best_id, -1.0, remaining)
     if RENORMALIZE:
         top_weights = top_weights / tl.sum(top_weights, axis=0)  # padding entries are 0
-    tl.store(weights_ptr + row * TOP_K + ks, top_weights.to(weights_ptr.dtype.element_ty),
-             mask=ks < TOP_K)
-    tl.store(ids_ptr + row * TOP_K + ks, top_ids, mask=ks < TOP_K)
+    shared_gate = tl.load(logits_ptr + row * stride_row + num_experts).to(tl.float32)
+    top_weights = tl.where(ks == TOP_K, tl.sigmoid(shared_gate), top_weights)
+    top_ids = tl.where(ks == TOP_K, num_experts, top_ids)
+    out = row * (TOP_K + 1) + ks
+    tl.store(weights_ptr + out, top_weights.to(weights_ptr.dtype.element_ty), mask=ks <= TOP_K)
+    tl.store(ids_ptr + out, top_ids, mask=ks <= TOP_K)
 
 
 def moe_router_triton(logits: torch.Tensor, top_k: int,
                       renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits [T, E]`` -> ``(weights [T, k] in logits.dtype, ids [T, k] int64)``."""
-    tokens, num_experts = logits.shape
+    """``logits [T, E + 1]`` (the router's, then the shared expert's gate) -> ``(weights
+    [T, k + 1] in logits.dtype, ids [T, k + 1] int64)``."""
+    tokens, num_experts = logits.shape[0], logits.shape[1] - 1
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    weights = logits.new_empty(tokens, top_k)
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    weights = logits.new_empty(tokens, top_k + 1)
+    ids = torch.empty(tokens, top_k + 1, dtype=torch.int64, device=logits.device)
     if tokens:
         _router_kernel[(tokens,)](
             logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
-            K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
+            K_PAD=triton.next_power_of_2(top_k + 1), E_PAD=triton.next_power_of_2(num_experts),
             RENORMALIZE=renormalize, num_warps=4)
     return weights, ids

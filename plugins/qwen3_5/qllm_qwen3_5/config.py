@@ -92,6 +92,11 @@ def validate(text_config, variant: Variant) -> None:
         if c.num_experts_per_tok > c.num_experts:
             raise Qwen3_5ConfigError(f"config num_experts_per_tok ({c.num_experts_per_tok}) "
                                      f"exceeds num_experts ({c.num_experts})")
+        if c.shared_expert_intermediate_size != c.moe_intermediate_size:
+            raise Qwen3_5ConfigError(
+                f"config shared_expert_intermediate_size ({c.shared_expert_intermediate_size}) "
+                f"differs from moe_intermediate_size ({c.moe_intermediate_size}); qllm runs the "
+                "shared expert as one more routed-size expert, which needs them equal")
     if not variant.moe or any(not is_sparse_layer(variant, c, i)
                               for i in range(c.num_hidden_layers)):
         _positive(c, "intermediate_size")

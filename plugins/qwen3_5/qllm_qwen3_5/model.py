@@ -119,7 +119,7 @@ class Qwen3_5ForCausalLM(CausalLM):
         if FUSED_EXPERTS.match(name):
             return name + ".weight"
         match = MOE_INPUT.match(name)
-        if match:  # the router and shared expert's input rows -> one packed matmul
+        if match:  # the router's and the shared expert gate's rows -> one packed matmul
             mlp, module = match.groups()
             return f"{mlp}.input_proj.weight", INPUT_PROJ_SHARDS[module]
         return name

@@ -1,10 +1,12 @@
 """Sparse MoE block (``mlp.*``): fp32 softmax router, top-k, renormalise, SwiGLU experts,
-plus a shared expert scaled by ``sigmoid(shared_expert_gate(x))``. The router, the shared
-expert's gate and its gate/up projections all read ``x``: one packed matmul serves them.
+plus a shared expert scaled by ``sigmoid(shared_expert_gate(x))``.
 
-The router's tail and the routed experts run through the ``moe_router`` and ``fused_moe`` ops
-so GPU plugins can replace them; the plain-torch references below are registered by this
-plugin.
+The shared expert runs as one more expert of the routed computation: expert ``E`` (past the
+``E`` routed ones), with a ``k + 1``-th slot per token weighted by the sigmoid of its gate. The
+``moe_router`` op emits that slot and the ``fused_moe`` op computes every slot, so GPU plugins
+replace the whole block's expert work with one grouped computation (no separate shared-expert
+matmuls, activation and combine). The router's and the shared gate's rows of the input share
+one matmul; the plain-torch references of both ops are registered by this plugin.
 """
 
 from __future__ import annotations
@@ -19,17 +21,21 @@ from qllm.plugins import Kernels
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, shared_w13: torch.Tensor,
+              shared_w2: torch.Tensor) -> torch.Tensor:
     """Routed SwiGLU experts: ``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows, then up rows),
-    ``w2 [E, H, I]``, ``topk_weights`` / ``topk_ids`` ``[T, k]`` -> ``[T, H]`` in ``x.dtype``:
-    row ``t`` is the sum over ``j`` of expert ``topk_ids[t, j]``'s output for token ``t`` times
-    ``topk_weights[t, j]``, summed in fp32 in the order of ``j``.
+    ``w2 [E, H, I]``, the shared expert's ``shared_w13 [2I, H]`` and ``shared_w2 [H, I]``
+    (expert id ``E``), ``topk_weights`` / ``topk_ids`` ``[T, k]`` -> ``[T, H]`` in
+    ``x.dtype``: row ``t`` is the sum over ``j`` of expert ``topk_ids[t, j]``'s output for
+    token ``t`` times ``topk_weights[t, j]``, each slot's output rounded to ``x.dtype`` and
+    summed in fp32 in the order of ``j``.
 
     Eagerly, slots are grouped per expert (host sync; only the experts hit are computed).
     Under ``torch.compile`` (the CUDA-graph decode step) every expert runs on every token and
     each slot picks its expert's row: static shapes and no host sync, but E/k times the
     work. GPU plugins are expected to replace this op.
     """
+    w13, w2 = torch.cat([w13, shared_w13[None]]), torch.cat([w2, shared_w2[None]])
     weights = topk_weights.to(x.dtype)
     if torch.compiler.is_compiling():
         return _dense_moe(x, w13, w2, weights, topk_ids).float().sum(dim=1).to(x.dtype)
@@ -84,9 +90,11 @@ class StackedExpertWeight(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts: ``gate_up_proj.weight [E, 2I, H]`` (gate rows first) and
-    ``down_proj.weight [E, H, I]``; see ``Qwen3_5ForCausalLM.checkpoint_name`` for the
-    checkpoint names."""
+    """The routed experts, ``gate_up_proj.weight [E, 2I, H]`` (gate rows first) and
+    ``down_proj.weight [E, H, I]`` (see ``Qwen3_5ForCausalLM.checkpoint_name`` for the
+    checkpoint names), and the shared expert (``shared_expert.gate_up_proj`` packs HF's
+    ``gate_proj`` and ``up_proj``), run together as ``E + 1`` experts by the ``fused_moe``
+    op."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  kernels: Kernels):
@@ -97,27 +105,35 @@ class Experts(nn.Module):
                                              intermediate_size)
         self._fused_moe = kernels.fused_moe
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+    def forward(self, x: torch.Tensor, shared_expert: nn.ModuleDict, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]``, routing ``[T, k]`` -> the weighted sum of the routed experts ``[T, H]``."""
+        """``x [T, H]``, routing ``[T, k + 1]`` (the last slot the shared expert's) -> the
+        weighted sum of the experts ``[T, H]``."""
         return self._fused_moe(x, self.gate_up_proj.weight, self.down_proj.weight,
-                               topk_weights, topk_ids)
+                               topk_weights, topk_ids, shared_expert["gate_up_proj"].weight,
+                               shared_expert["down_proj"].weight)
 
 
 def moe_router(logits: torch.Tensor, top_k: int,
                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``moe_router`` op: ``logits [T, E]`` -> softmax in fp32, the ``top_k`` largest
-    (descending), optionally renormalised -> ``(weights [T, k] in logits.dtype, expert ids
-    [T, k] int64)``. Plain-torch reference; GPU plugins may replace it."""
-    probs = logits.softmax(dim=-1, dtype=torch.float32)  # [T, E]
+    """The ``moe_router`` op: ``logits [T, E + 1]``, the router's ``E`` logits then the shared
+    expert's gate logit -> ``(weights [T, k + 1] in logits.dtype, expert ids [T, k + 1]
+    int64)``: softmax over the ``E`` in fp32, the ``top_k`` largest (descending), optionally
+    renormalised; then the shared expert, id ``E``, weighted ``sigmoid(gate logit)``.
+    Plain-torch reference; GPU plugins may replace it."""
+    probs = logits[:, :-1].softmax(dim=-1, dtype=torch.float32)  # [T, E]
     weights, ids = probs.topk(top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype), ids
+    shared_weight = logits[:, -1:].float().sigmoid()  # [T, 1]
+    shared_id = torch.full_like(ids[:, :1], probs.shape[1])
+    return (torch.cat([weights, shared_weight], dim=1).to(logits.dtype),
+            torch.cat([ids, shared_id], dim=1))
 
 
 class Router(nn.Module):
-    """Router logits -> routing weights and expert ids through the ``moe_router`` op."""
+    """Router and shared-gate logits -> routing weights and expert ids through the
+    ``moe_router`` op."""
 
     def __init__(self, top_k: int, renormalize: bool, kernels: Kernels):
         super().__init__()
@@ -125,40 +141,37 @@ class Router(nn.Module):
         self._route = kernels.moe_router
 
     def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``logits [T, E]`` -> ``(weights [T, k] in logits.dtype, expert ids [T, k])``."""
+        """``logits [T, E + 1]`` -> ``(weights [T, k + 1] in logits.dtype, expert ids
+        [T, k + 1])``, the last slot the shared expert's."""
         return self._route(logits, self.top_k, self.renormalize)
 
 
 # Shards of ``SparseMoeBlock.input_proj``, keyed by the HF module that holds each one.
-INPUT_PROJ_SHARDS = {"gate": "router", "shared_expert_gate": "shared_expert_gate",
-                     "shared_expert.gate_proj": "shared_gate",
-                     "shared_expert.up_proj": "shared_up"}
+INPUT_PROJ_SHARDS = {"gate": "router", "shared_expert_gate": "shared_expert_gate"}
 
 
 class SparseMoeBlock(nn.Module):
     """Routed experts plus a gated shared expert. ``input_proj`` packs the rows of HF's
-    ``gate`` (router), ``shared_expert.{gate,up}_proj`` and ``shared_expert_gate``
-    (``INPUT_PROJ_SHARDS``), the one-row gate last and the rows padded to a multiple of 8 so
-    that every wide shard starts 16-byte aligned; ``shared_expert.down_proj`` keeps its
-    name."""
+    ``gate`` (router) and ``shared_expert_gate`` (``INPUT_PROJ_SHARDS``), adjacent so that
+    the router op reads both as one ``[T, E + 1]`` view, the rows padded to a multiple of 8
+    (16-byte aligned output rows); ``shared_expert.{gate_up,down}_proj`` hold the shared
+    expert."""
 
     def __init__(self, config, kernels: Kernels, renormalize: bool):
         super().__init__()
-        shared = config.shared_expert_intermediate_size
+        shared = config.shared_expert_intermediate_size  # == moe_intermediate_size (validate)
+        self.num_experts = config.num_experts
         self.input_proj = PackedLinear(config.hidden_size, {
-            "router": config.num_experts, "shared_gate": shared, "shared_up": shared,
-            "shared_expert_gate": 1}, row_multiple=8)
+            "router": config.num_experts, "shared_expert_gate": 1}, row_multiple=8)
         self.router = Router(config.num_experts_per_tok, renormalize, kernels)
         self.experts = Experts(config.num_experts, config.hidden_size,
                                config.moe_intermediate_size, kernels)
-        self.shared_expert = nn.ModuleDict(
-            {"down_proj": nn.Linear(shared, config.hidden_size, bias=False)})
+        self.shared_expert = nn.ModuleDict({
+            "gate_up_proj": PackedLinear(config.hidden_size, {"gate": shared, "up": shared}),
+            "down_proj": nn.Linear(shared, config.hidden_size, bias=False)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``."""
-        router_logits, shared_gate, shared_up, shared_expert_gate = self.input_proj.split(
-            self.input_proj(x))  # [T, E], [T, I_shared] x 2, [T, 1]
-        weights, ids = self.router(router_logits)  # [T, k] each
-        routed = self.experts(x, weights, ids)  # [T, H]
-        shared = self.shared_expert["down_proj"](F.silu(shared_gate) * shared_up)
-        return routed + torch.sigmoid(shared_expert_gate) * shared
+        logits = self.input_proj(x)[:, :self.num_experts + 1]  # [T, E + 1]: router, shared gate
+        weights, ids = self.router(logits)  # [T, k + 1] each
+        return self.experts(x, self.shared_expert, weights, ids)
