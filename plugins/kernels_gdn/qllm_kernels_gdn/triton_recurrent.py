@@ -92,14 +92,15 @@ def _launch_config(num_seqs: int, num_heads: int, dv: int, state: torch.Tensor
     """``(value dims per program, warps)``, from ``bench_gdn.py --sweep-decode`` on the H200 at
     the Qwen3.5-35B-A3B geometry.
 
-    Value-major state (key stride 1, as the models store it): 16 x 1 warp, a contiguous 4 KB
-    (bf16) tile per program; at batch 200, bf16: 113 us per layer (116.7 at 64 x 8, 120.3 at
-    32 x 1), batch 64: 41.3 us (2026-11-30). Key-major (contiguous) state: where 32 value dims
+    Value-major state (key stride 1, as the models store it), one warp per program and a
+    contiguous 4 KB tile: bf16 16 value dims (at batch 200: 113 us per layer; 116.7 at 64 x 8
+    warps, 120.3 at 32 x 1; batch 64: 41.3 us), fp32 32 (217.9 us at batch 200; 218.4 at
+    16 x 2, 240.9 at 16 x 1) (2026-11-30). Key-major (contiguous) state: where 32 value dims
     per program leave too few programs to fill the GPU, 16 with 2 warps; otherwise bf16
     32 x 2 warps (142 us at batch 200; 149 at 64 x 4), fp32 64 x 4 warps (222 us; 231 at
     32 x 2)."""
     if state.stride(-2) == 1:
-        block_v, num_warps = 16, 1
+        block_v, num_warps = (16 if state.dtype.itemsize <= 2 else 32), 1
     elif num_seqs * num_heads * triton.cdiv(dv, 32) < MIN_PROGRAMS:
         block_v, num_warps = 16, 2
     elif state.dtype.itemsize <= 2:
