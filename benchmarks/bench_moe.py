@@ -166,7 +166,9 @@ def tune_tokens(tokens: int, grid: dict) -> tuple[MoeConfig, float]:
     for block_m in (16, 32, 64, 128):
         if block_m > 16 and block_m > 2 * slots_per_expert:
             continue
-        many = slots_per_expert > block_m
+        # grouped launch orders pay where an expert spans several blocks: the shared expert
+        # (one slot per token) does once the tokens outnumber a block
+        many = tokens > block_m
         align = moe_align_triton if topk_ids.numel() <= MAX_SLOTS else moe_align
         sorted_slots = align(topk_ids, EXPERTS + 1, block_m)
         align_ms = time_ms(lambda: align(topk_ids, EXPERTS + 1, block_m), graph)
