@@ -17,12 +17,16 @@ at decode) against the H200's ~4.3 TB/s. ``max_err`` is the largest difference f
 reference's output. Prints a table, then one JSON object per row.
 
     python benchmarks/bench_gdn.py [--impl triton torch fla] [--batches 1 16 64 200]
-        [--ssm-dtype bfloat16] [--state-layout key-major] [--sweep-decode | --sweep-conv]
+        [--ssm-dtype bfloat16] [--state-layout key-major] [--slots consecutive]
+        [--sweep-decode | --sweep-conv]
 
 ``--sweep-decode`` times only the Triton decode kernel over its launch configurations (value
 dims per program x warps) at each batch size, to choose ``_launch_config``'s rule;
 ``--sweep-conv`` does the same for the conv update (channels per program x warps).
-The SSM state is stored value-major, ``[S + 1, Hv, dv, dk]`` seen by the ops as its transposed
+Decode sequences take slots drawn at random from 256 unless ``--slots consecutive`` gives
+sequence ``i`` slot ``i``, as a freshly filled engine does (the W2 decode step's recurrent
+kernel took 130 us in the engine against 113 us here with random slots). The SSM state is
+stored value-major, ``[S + 1, Hv, dv, dk]`` seen by the ops as its transposed
 view, as the models store it; ``--state-layout key-major`` stores it contiguous
 ``[S + 1, Hv, dk, dv]`` instead.
 """
@@ -39,12 +43,14 @@ from triton.testing import do_bench
 
 from qllm.ops import gdn as reference
 from qllm_kernels_gdn import ops
-from qllm_kernels_gdn.testing import QWEN3_5_35B_A3B, conv_inputs, gdn_inputs, random_batch
+from qllm_kernels_gdn.testing import (QWEN3_5_35B_A3B, conv_inputs, gdn_inputs, make_batch,
+                                      random_batch)
 
 GEOMETRY = QWEN3_5_35B_A3B
 DTYPE, CONV_DTYPE = torch.bfloat16, torch.bfloat16
 SSM_DTYPE = torch.float32  # --ssm-dtype
 KEY_MAJOR_STATE = False  # --state-layout key-major
+CONSECUTIVE_SLOTS = False  # --slots consecutive
 NUM_SLOTS = 256
 PEAK_GBPS = 4300.0
 PREFILL_SEQS, PREFILL_LEN = 8, 1000
@@ -92,6 +98,14 @@ def case_args(kind: str, batch) -> tuple[tuple, int]:
                    contiguous_state=KEY_MAJOR_STATE)
     return x.args(), (2 * _nbytes(x.ssm_state[slots]) + _nbytes(x.q, x.k, x.g, x.beta)
                       + 2 * _nbytes(x.v))
+
+
+def decode_batch(batch_size: int):
+    """One token per sequence, every sequence with state, in random or consecutive slots."""
+    if CONSECUTIVE_SLOTS:
+        return make_batch([1] * batch_size, list(range(batch_size)), [True] * batch_size,
+                          device="cuda")
+    return random_batch([1] * batch_size, NUM_SLOTS, True, device="cuda", seed=batch_size)
 
 
 def graphed(call):
@@ -144,7 +158,7 @@ def sweep(kind: str, batch_sizes: list[int]) -> None:
     from qllm_kernels_gdn.triton_recurrent import gated_delta_rule
 
     for batch_size in batch_sizes:
-        batch = random_batch([1] * batch_size, NUM_SLOTS, True, device="cuda", seed=batch_size)
+        batch = decode_batch(batch_size)
         args, nbytes = case_args(kind, batch)
         if kind == "gdn_decode":
             q, k, v, g, beta, ssm_state = args[:6]
@@ -162,6 +176,7 @@ def sweep(kind: str, batch_sizes: list[int]) -> None:
                 call()
                 ms = do_bench(graphed(call), return_mode="median")
                 print(json.dumps({"sweep": kind, "batch": batch_size,
+                                  "slots": "consecutive" if CONSECUTIVE_SLOTS else "random",
                                   "state_layout": ("key-major" if KEY_MAJOR_STATE
                                                    or kind != "gdn_decode" else "value-major"),
                                   "state_dtype": str(state_dtype), block_arg: block,
@@ -170,7 +185,7 @@ def sweep(kind: str, batch_sizes: list[int]) -> None:
 
 
 def main() -> None:
-    global SSM_DTYPE, KEY_MAJOR_STATE
+    global SSM_DTYPE, KEY_MAJOR_STATE, CONSECUTIVE_SLOTS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--impl", nargs="+", default=["triton", "fla", "torch"],
                         choices=["triton", "fla", "torch"])
@@ -178,12 +193,14 @@ def main() -> None:
     parser.add_argument("--ssm-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--state-layout", default="value-major",
                         choices=["key-major", "value-major"])
+    parser.add_argument("--slots", default="random", choices=["random", "consecutive"])
     sweeps = parser.add_mutually_exclusive_group()
     sweeps.add_argument("--sweep-decode", action="store_true")
     sweeps.add_argument("--sweep-conv", action="store_true")
     args = parser.parse_args()
     SSM_DTYPE = getattr(torch, args.ssm_dtype)
     KEY_MAJOR_STATE = args.state_layout == "key-major"
+    CONSECUTIVE_SLOTS = args.slots == "consecutive"
     if args.sweep_decode or args.sweep_conv:
         sweep("gdn_decode" if args.sweep_decode else "conv_update", args.batches)
         return
@@ -191,7 +208,7 @@ def main() -> None:
 
     rows = []
     for batch_size in args.batches:
-        batch = random_batch([1] * batch_size, NUM_SLOTS, True, device="cuda", seed=batch_size)
+        batch = decode_batch(batch_size)
         for kind in ("conv_update", "gdn_decode"):
             rows += measure(kind, f"decode b{batch_size}", batch, impls)
     batch = random_batch([PREFILL_LEN] * PREFILL_SEQS, NUM_SLOTS, False, device="cuda")

@@ -14,6 +14,8 @@
 #   their profiles keep the GDN state in bf16, as vLLM's anchors do (WORKLOADS.md), and
 #   w2-fp32-state runs W2 with the fp32 default; profile-w1/w2/w3, profile-w1-prefill,
 #   profile-w2-prefill: profile_step.py;
+#   ncu-gdn: Nsight Compute counters of the GDN decode kernel at batch 200 (bf16 state in
+#   consecutive slots, as in W2; the sweep's first config, the default 16 x 1 warp);
 #   state-dtype: bf16 vs fp32 recurrent state at the real geometry; tune-moe: quick MoE
 #   block-size sweep for the token counts in $TUNE_TOKENS (default "1 256"), the rewritten
 #   table copied to $OUT.
@@ -93,6 +95,12 @@ for stage in "$@"; do
         profile-w2-prefill) run profile_w2_prefill 200 python3 benchmarks/profile_step.py \
                                 --workload w2 --batch 200 --context 1000 --phase prefill \
                                 --steps 4 --out "$out" ;;
+        ncu-gdn) run ncu_gdn 200 ncu --clock-control none -k regex:_gated_delta_rule_kernel \
+                     --launch-skip 3 --launch-count 1 --section SpeedOfLight \
+                     --section MemoryWorkloadAnalysis --section Occupancy \
+                     --section WarpStateStats --section SchedulerStats \
+                     python3 benchmarks/bench_gdn.py --sweep-decode --batches 200 \
+                     --ssm-dtype bfloat16 --slots consecutive ;;
         state-dtype) run state_dtype 200 python3 benchmarks/state_dtype_accuracy.py \
                          --device cuda --dtype bfloat16 --real-geometry-layers 4 ;;
         *) echo "unknown stage $stage" ;;
