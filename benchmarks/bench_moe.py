@@ -164,7 +164,9 @@ def tune_tokens(tokens: int, grid: dict) -> tuple[MoeConfig, float]:
     slots_per_expert = tokens * TOP_K / EXPERTS
     best = (float("inf"), None)
     for block_m in (16, 32, 64, 128):
-        if block_m > 16 and block_m > 2 * slots_per_expert:
+        # blocks mostly padding for every expert are not worth timing; the shared expert has a
+        # slot per token, so blocks up to the token count may pay for it
+        if block_m > max(16, tokens) and block_m > 2 * slots_per_expert:
             continue
         # grouped launch orders pay where an expert spans several blocks: the shared expert
         # (one slot per token) does once the tokens outnumber a block
