@@ -34,7 +34,8 @@ def run_qllm(model_dir: str, prompts, params, args) -> dict:
     llm = LLM(model_dir, load_format="dummy", dtype="bfloat16",
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               enforce_eager=args.enforce_eager, async_scheduling=not args.sync_scheduling,
-              recurrent_state_dtype=args.recurrent_state_dtype)
+              recurrent_state_dtype=args.recurrent_state_dtype,
+              max_autotune_gemm=args.max_autotune_gemm)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     startup = time.perf_counter() - start
     sampling = [SamplingParams(temperature=t, max_tokens=m, ignore_eos=True) for m, t in params]
@@ -160,6 +161,8 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--max-autotune-gemm", action="store_true",
+                        help="Inductor GEMM autotuning in the decode layers")
     parser.add_argument("--sync-scheduling", action="store_true",
                         help="read each step's tokens before scheduling the next")
     parser.add_argument("--recurrent-state-dtype", default="float32",
@@ -192,7 +195,8 @@ def main() -> int:
     result = run(model_dir, prompts, params, args)
     if args.engine == "qllm":
         result.update(async_scheduling=not args.sync_scheduling,
-                      recurrent_state_dtype=args.recurrent_state_dtype)
+                      recurrent_state_dtype=args.recurrent_state_dtype,
+                      max_autotune_gemm=args.max_autotune_gemm)
     result.update(engine=args.engine, workload=args.workload, prompts=len(prompts),
                   tok_per_s=round(result["tokens"] / result["seconds"], 1),
                   peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),

@@ -98,12 +98,15 @@ def test_sampling_is_reproducible_with_a_seed(qwen3_dir):
     assert_cache_free(llm)
 
 
-def test_compiled_decode_equals_eager_on_cpu(qwen3_dir):
+@pytest.mark.parametrize("max_autotune_gemm", [False, True], ids=["default", "gemm-autotune"])
+def test_compiled_decode_equals_eager_on_cpu(qwen3_dir, max_autotune_gemm):
     """The compiled decode path (regional torch.compile; CUDA graphs only on GPU) gives the
-    eager tokens, with a prefill step in between that must bypass the compiled layers."""
+    eager tokens, with a prefill step in between that must bypass the compiled layers; also
+    with Inductor's GEMM autotuning in the decode layers."""
     prompts = random_prompts([5, 20, 33, 47])
     eager = LLM(qwen3_dir, block_size=16).generate(prompts, GREEDY, use_tqdm=False)
-    compiled = LLM(qwen3_dir, block_size=16, compile_on_cpu=True, max_num_batched_tokens=64)
+    compiled = LLM(qwen3_dir, block_size=16, compile_on_cpu=True, max_num_batched_tokens=64,
+                   max_autotune_gemm=max_autotune_gemm)
     got = compiled.generate(prompts, GREEDY, use_tqdm=False)
     assert [g["token_ids"] for g in got] == [e["token_ids"] for e in eager]
     assert_cache_free(compiled)

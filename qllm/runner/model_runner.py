@@ -211,8 +211,9 @@ class ModelRunner:
         # guarded entry to the one shared code object; dynamo's default limit of 8 is too few.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    RECOMPILE_LIMIT)
+        options = {"max_autotune_gemm": True} if self.config.max_autotune_gemm else None
         for layer in self.model.decoder_layers():
-            layer.compile(dynamic=True, fullgraph=True)
+            layer.compile(dynamic=True, fullgraph=True, options=options)
         for region in self.model.prefill_regions():  # inlined into the layers' decode graphs
             region.compile(dynamic=True, fullgraph=True)
         if self.device.type == "cuda":
