@@ -121,6 +121,19 @@ def test_layer_count_checked_without_transformers_validation():
         validate(types.SimpleNamespace(**config), variant_of("Qwen3_5ForCausalLM", config))
 
 
+def test_shared_expert_of_another_size_is_a_clear_error():
+    """The shared expert runs as one more expert of the fused MoE, so it must have the routed
+    experts' size."""
+    from qllm_qwen3_5.config import Qwen3_5ConfigError, validate, variant_of
+
+    config = qwen3_5_testing.build_hf_model("qwen3_5_moe").config.get_text_config().to_dict()
+    config["shared_expert_intermediate_size"] = 2 * config["moe_intermediate_size"]
+    with pytest.raises(Qwen3_5ConfigError, match=r"shared_expert_intermediate_size \(64\) "
+                                                 r"differs from moe_intermediate_size \(32\)"):
+        validate(types.SimpleNamespace(**config),
+                 variant_of("Qwen3_5MoeForCausalLM", config))
+
+
 def drop(name: str):
     def edit(tensors):
         assert name in tensors, sorted(tensors)
@@ -142,6 +155,12 @@ def drop(name: str):
     pytest.param("qwen3_5_moe", drop("model.layers.1.mlp.experts.2.down_proj.weight"),
                  r"model\.layers\.1\.mlp\.experts\.down_proj\.weight \(down:2 shard\)",
                  id="missing-expert"),
+    pytest.param("qwen3_5_moe", drop("model.layers.1.mlp.shared_expert.up_proj.weight"),
+                 r"model\.layers\.1\.mlp\.shared_expert\.gate_up_proj\.weight \(up shard\)",
+                 id="missing-shared-expert-up"),
+    pytest.param("qwen3_5_moe", drop("model.layers.1.mlp.shared_expert_gate.weight"),
+                 r"model\.layers\.1\.mlp\.input_proj\.weight \(shared_expert_gate shard\)",
+                 id="missing-shared-expert-gate"),
     pytest.param("qwen3_next", lambda t: {
         **t, "model.layers.0.linear_attn.in_proj_ba.weight": torch.zeros(6, 64)},
         r"in_proj_ba.*\(6, 64\)", id="wrong-shape-in_proj_ba"),
