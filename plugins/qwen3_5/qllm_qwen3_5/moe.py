@@ -93,9 +93,8 @@ class StackedExpertWeight(nn.Module):
 class Experts(nn.Module):
     """The routed experts, ``gate_up_proj.weight [E, 2I, H]`` (gate rows first) and
     ``down_proj.weight [E, H, I]`` (see ``Qwen3_5ForCausalLM.checkpoint_name`` for the
-    checkpoint names), and the shared expert (``shared_expert.gate_up_proj`` packs HF's
-    ``gate_proj`` and ``up_proj``), run together as ``E + 1`` experts by the ``fused_moe``
-    op."""
+    checkpoint names), run with the shared expert's weights as ``E + 1`` experts by the
+    ``fused_moe`` op."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  kernels: Kernels):
@@ -106,13 +105,13 @@ class Experts(nn.Module):
                                              intermediate_size)
         self._fused_moe = kernels.fused_moe
 
-    def forward(self, x: torch.Tensor, shared_expert: nn.ModuleDict, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]``, routing ``[T, k + 1]`` (the last slot the shared expert's) -> the
-        weighted sum of the experts ``[T, H]``."""
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                shared_w13: torch.Tensor, shared_w2: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]``, routing ``[T, k + 1]`` (the last slot the shared expert's), the shared
+        expert's ``[2I, H]`` and ``[H, I]`` weights -> the weighted sum of the experts
+        ``[T, H]``."""
         return self._fused_moe(x, self.gate_up_proj.weight, self.down_proj.weight,
-                               topk_weights, topk_ids, shared_expert["gate_up_proj"].weight,
-                               shared_expert["down_proj"].weight)
+                               topk_weights, topk_ids, shared_w13, shared_w2)
 
 
 def moe_router(logits: torch.Tensor, top_k: int,
@@ -175,4 +174,5 @@ class SparseMoeBlock(nn.Module):
         """``x [T, H]`` -> ``[T, H]``."""
         logits = self.input_proj(x)[:, :self.num_experts + 1]  # [T, E + 1]: router, shared gate
         weights, ids = self.router(logits)  # [T, k + 1] each
-        return self.experts(x, self.shared_expert, weights, ids)
+        return self.experts(x, weights, ids, self.shared_expert["gate_up_proj"].weight,
+                            self.shared_expert["down_proj"].weight)
