@@ -14,7 +14,9 @@ eager only); ``max_err`` is the largest difference from it. Prints a table, then
 object per row.
 
 ``--tune`` sweeps BLOCK_M and each GEMM's BLOCK_N / BLOCK_K / GROUP_M / num_warps /
-num_stages per token count, checks the winner against the reference and rewrites the shipped
+num_stages per token count (up to 16 tokens also the small-batch path: BLOCK_M 1, no sort, the
+slot sum in the down GEMV; the sorted path's total counts its align and slot sum), checks the
+winner against the reference and rewrites the shipped
 table (``qllm_kernels_moe/configs/E=256,N=1024,K=2048.json``) entry by entry, so a sweep can be
 split over several runs with ``--tokens``. The full sweep takes the better part of an hour;
 ``--grid quick`` tries fewer tiles.
@@ -39,12 +41,13 @@ from qllm_kernels_moe.align import moe_align
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, config_path, get_config, load_table
 from qllm_kernels_moe.testing import MoeInputs, moe_inputs
 from qllm_kernels_moe.triton_align import MAX_SLOTS, moe_align_triton
-from qllm_kernels_moe.triton_moe import down, fused_moe_triton, gate_up
+from qllm_kernels_moe.triton_moe import down, fused_moe_triton, gate_up, sum_slots
+from qllm_kernels_moe.triton_slot_moe import slot_down_sum, slot_gate_up
 from qllm_qwen3_5.moe import fused_moe as torch_fused_moe
 
 EXPERTS, TOP_K, HIDDEN, INTER, DTYPE = 256, 8, 2048, 512, torch.bfloat16
 PEAK_GBPS = 4300.0
-CASES = {"decode b1": 1, "decode b16": 16, "decode b64": 64, "decode b200": 200,
+CASES = {"decode b1": 1, "decode b4": 4, "decode b16": 16, "decode b64": 64, "decode b200": 200,
          "decode b256": 256,
          "prefill 4096": 4096}
 TUNE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -144,6 +147,34 @@ def gemm_candidates(block_m: int, gated: bool, many_blocks_per_expert: bool, gri
             yield GemmConfig(n, k, group, warps, stages)
 
 
+# The small-batch path (BLOCK_M 1): rows per program, the K tile each row streams, warps and
+# loop stages; tried up to SLOT_PATH_TUNE_TOKENS tokens.
+SLOT_GRID = dict(n=(2, 4, 8, 16, 32), k=(256, 512, 1024), warps=(2, 4, 8), stages=(1, 2))
+SLOT_PATH_TUNE_TOKENS = 16
+SLOT_TILE_ELEMENTS = 16384  # fp32 accumulator elements per program, at most
+
+
+def slot_candidates():
+    """Tiles of the small-batch path's GEMVs whose fp32 accumulators stay in registers."""
+    for n, k, warps, stages in itertools.product(*SLOT_GRID.values()):
+        if n * k <= SLOT_TILE_ELEMENTS:
+            yield GemmConfig(n, k, 1, warps, stages)
+
+
+def tune_slot_path(inputs: MoeInputs) -> tuple[float, MoeConfig]:
+    """The fastest small-batch config (its two GEMVs) for ``inputs``, and its time in ms."""
+    x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2 = inputs
+    up_ms, up = best_gemm(lambda c: slot_gate_up(x, w13, shared_w13, topk_ids, c),
+                          slot_candidates(), graph=True)
+    hidden = slot_gate_up(x, w13, shared_w13, topk_ids, up)
+    down_ms, dn = best_gemm(
+        lambda c: slot_down_sum(hidden, w2, shared_w2, topk_weights, topk_ids, c),
+        slot_candidates(), graph=True)
+    print(f"  T={x.shape[0]} BLOCK_M=1: up {up_ms:.4f} + down-and-sum {down_ms:.4f} = "
+          f"{up_ms + down_ms:.4f} ms", flush=True)
+    return up_ms + down_ms, MoeConfig(1, up, dn)
+
+
 def best_gemm(run, candidates, graph: bool) -> tuple[float, GemmConfig]:
     """The fastest candidate of ``run(config)``; candidates that fail to compile are skipped."""
     best = (float("inf"), None)
@@ -163,6 +194,8 @@ def tune_tokens(tokens: int, grid: dict) -> tuple[MoeConfig, float]:
     graph = tokens <= 256
     slots_per_expert = tokens * TOP_K / EXPERTS
     best = (float("inf"), None)
+    if tokens <= SLOT_PATH_TUNE_TOKENS:
+        best = tune_slot_path(inputs)
     for block_m in (16, 32, 64, 128):
         # blocks mostly padding for every expert are not worth timing; the shared expert has a
         # slot per token, so blocks up to the token count may pay for it
@@ -181,9 +214,11 @@ def tune_tokens(tokens: int, grid: dict) -> tuple[MoeConfig, float]:
         down_ms, dn = best_gemm(
             lambda c: down(hidden, w2, shared_w2, topk_weights, sorted_slots, block_m, c),
             gemm_candidates(block_m, False, many, grid), graph)
-        total = align_ms + up_ms + down_ms
+        expert_out = down(hidden, w2, shared_w2, topk_weights, sorted_slots, block_m, dn)
+        sum_ms = time_ms(lambda: sum_slots(expert_out, TOP_K + 1), graph)
+        total = align_ms + up_ms + down_ms + sum_ms
         print(f"  T={tokens} BLOCK_M={block_m}: align {align_ms:.4f} + up {up_ms:.4f} "
-              f"+ down {down_ms:.4f} = {total:.4f} ms", flush=True)
+              f"+ down {down_ms:.4f} + sum {sum_ms:.4f} = {total:.4f} ms", flush=True)
         best = min(best, (total, MoeConfig(block_m, up, dn)), key=lambda pair: pair[0])
     total, config = best
     reference = torch_fused_moe(x.float(), w13.float(), w2.float(), topk_weights.float(),

@@ -41,6 +41,7 @@ GPU_SHAPES = {
 }
 GPU_TOKENS = (1, 7, 64, 256, 2048)
 FORCED = {  # every BLOCK_M, and tiles that leave partial column / K tiles
+    "m1": MoeConfig(1, GemmConfig(16, 128, num_stages=2), GemmConfig(32, 128, 1, 8, 1)),
     "m16": MoeConfig(16, GemmConfig(32, 64), GemmConfig(64, 128, 4)),
     "m32": MoeConfig(32, GemmConfig(64, 128, 8, 8, 4), GemmConfig(128, 64, 1, 4, 2)),
     "m64": MoeConfig(64, GemmConfig(128, 64), GemmConfig(256, 64, 8, 8, 3)),
@@ -55,6 +56,7 @@ TINY = {
 }
 TINY_CONFIGS = {
     "default": None,
+    "m1": MoeConfig(1, GemmConfig(8, 16), GemmConfig(16, 16, 1, 2)),
     "m16": MoeConfig(16, GemmConfig(16, 32), GemmConfig(32, 16, 2)),
     "m32": MoeConfig(32, GemmConfig(32, 16, 4), GemmConfig(16, 32)),
 }
@@ -380,6 +382,15 @@ def test_triton_interpreter():
 def test_interpreted_parity(case, config, dtype):
     tokens, experts, top_k, hidden, inter, skew = case
     check_parity(moe_inputs(tokens, experts, hidden, inter, top_k, dtype, skew=skew), config)
+
+
+@interpreted
+@pytest.mark.parametrize("case", TINY.values(), ids=TINY.keys())
+def test_interpreted_slot_path_bf16(case):
+    """The small-batch path has no ``tl.dot``, so the interpreter runs it in bf16 too."""
+    tokens, experts, top_k, hidden, inter, skew = case
+    inputs = moe_inputs(tokens, experts, hidden, inter, top_k, torch.bfloat16, skew=skew)
+    check_parity(inputs, TINY_CONFIGS["m1"])
 
 
 @interpreted

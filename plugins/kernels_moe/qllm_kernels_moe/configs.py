@@ -32,7 +32,10 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """``BLOCK_M`` (slots per block, shared by the sort and both GEMMs) and each GEMM's tiles."""
+    """``BLOCK_M`` (slots per block, shared by the sort and both GEMMs) and each GEMM's tiles.
+
+    ``BLOCK_M`` 1 selects the small-batch path (``triton_slot_moe``): one program per slot and
+    no sort; its GEMMs' ``BLOCK_N`` counts weight rows per program (``GROUP_M`` is unused)."""
 
     BLOCK_M: int
     up: GemmConfig
@@ -62,9 +65,15 @@ def load_table(num_experts: int, n: int, k: int) -> dict[int, MoeConfig] | None:
     return {int(key): MoeConfig.from_json(entries[key]) for key in sorted(entries, key=int)}
 
 
+SLOT_PATH_MAX_TOKENS = 4  # untuned: where slots rarely share an expert, no sort pays
+
+
 def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
-    """Untuned fallback: 16-row blocks while experts see few tokens (decode: weight reads
-    dominate), larger tiles once they see many (prefill: compute dominates)."""
+    """Untuned fallback: the small-batch path for a few tokens, then 16-row blocks while
+    experts see few tokens (decode: weight reads dominate), larger tiles once they see many
+    (prefill: compute dominates)."""
+    if num_tokens <= SLOT_PATH_MAX_TOKENS:
+        return MoeConfig(1, GemmConfig(8, 256, num_stages=2), GemmConfig(8, 256, num_stages=2))
     if num_tokens * top_k <= 32 * num_experts:
         return MoeConfig(16, GemmConfig(64, 128), GemmConfig(128, 128))
     return MoeConfig(64, GemmConfig(64, 64), GemmConfig(128, 64))

@@ -18,7 +18,8 @@ slots, slot ``t * k + j``; the model's last slot per token is the shared expert'
    fifth of the bandwidth: Inductor's persistent reduction over the strided k.)
 
 Every launch size follows from the shapes (blocks past ``num_blocks`` exit at once), so the
-whole op is free of host syncs and capturable in a CUDA graph.
+whole op is free of host syncs and capturable in a CUDA graph. A table entry with ``BLOCK_M``
+1 takes the small-batch path of ``triton_slot_moe`` instead: one program per slot, no sort.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import triton.language as tl
 
 from qllm_kernels_moe.align import SortedSlots, moe_align
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
+from qllm_kernels_moe.triton_slot_moe import slot_down_sum, slot_gate_up
 from qllm_kernels_moe.triton_align import MAX_SLOTS, moe_align_triton
 
 SUM_BLOCK_N = 1024  # columns per program of the slot sum: 8 bf16 (16 bytes) per thread
@@ -187,10 +189,14 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if config is None:
         config = get_config(tokens, num_experts, gate_up_rows, hidden_size, top_k)
     x = x if x.stride(-1) == 1 else x.contiguous()
+    topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
+    if config.BLOCK_M == 1:
+        hidden = slot_gate_up(x, w13, shared_w13, topk_ids, config.up)  # [S, I]
+        return slot_down_sum(hidden, w2, shared_w2, topk_weights, topk_ids, config.down)
     align = moe_align_triton if topk_ids.numel() <= MAX_SLOTS else moe_align
     sorted_slots = align(topk_ids, num_experts + 1, config.BLOCK_M)
     hidden = gate_up(x, w13, shared_w13, sorted_slots, top_k, config.BLOCK_M,
                      config.up)  # [S, I]
-    expert_out = down(hidden, w2, shared_w2, topk_weights.contiguous(), sorted_slots,
+    expert_out = down(hidden, w2, shared_w2, topk_weights, sorted_slots,
                       config.BLOCK_M, config.down)  # [S, H]
     return sum_slots(expert_out, top_k)

@@ -1,0 +1,130 @@
+"""Fused MoE for a handful of tokens: one program per slot, no sort.
+
+At decode batch 1 the sorted path's blocks hold one slot each: its sort, the padding of every
+block to ``BLOCK_M`` rows and the separate slot sum cost more than they save. Here (a table
+entry with ``BLOCK_M == 1``) with ``x [T, H]``, ``topk_ids [T, k]`` (``S = T * k`` slots, slot
+``t * k + j``; expert ``E`` is the shared expert's weights):
+
+1. ``gate_up``: one program per (slot, ``BLOCK_N`` intermediate columns) reads its token's row
+   of ``x`` and ``BLOCK_N`` gate and up rows of the slot's expert, long contiguous rows of
+   ``BLOCK_K``, and stores ``silu(gate) * up`` -> ``hidden [S, I]``.
+2. ``down_sum``: one program per (token, ``BLOCK_N`` output columns) runs the token's k slots in
+   order: ``hidden``'s row through the slot's ``w2`` rows, times the routing weight, rounded to
+   ``x.dtype`` (as the sorted path stores each slot's output), added in fp32 -> ``[T, H]``.
+
+An expert hit by several slots is read once per slot (from L2 after the first), so the path
+pays only while slots rarely share experts: the tuner decides up to which token count.
+Products are accumulated over ``[BLOCK_N, BLOCK_K]`` tiles in fp32 and reduced once per row at
+the end. No host syncs: capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qllm_kernels_moe.configs import GemmConfig
+
+
+@triton.jit
+def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
+                         num_experts, N, K, stride_x_row, stride_w_expert, stride_w_row,
+                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` for slot ``s`` of token
+    ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``)."""
+    slot = tl.program_id(0)
+    expert = tl.load(ids_ptr + slot)
+    if expert == num_experts:
+        expert_w_ptr = shared_w_ptr
+    else:
+        expert_w_ptr = w_ptr + expert * stride_w_expert
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    row_mask = rows < N
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (slot // TOP_K) * stride_x_row + ks  # [BK]
+    gate_ptrs = expert_w_ptr + rows[:, None] * stride_w_row + ks[None, :]  # [BN, BK]
+    up_ptrs = gate_ptrs + N * stride_w_row
+    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        k_mask = ks < K - k_start
+        x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]  # [1, BK]
+        w_mask = row_mask[:, None] & k_mask[None, :]
+        gate += tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
+        up += tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    gate_sum = tl.sum(gate, axis=1)  # [BN]
+    out = gate_sum * tl.sigmoid(gate_sum) * tl.sum(up, axis=1)
+    tl.store(hidden_ptr + slot * N + rows, out.to(hidden_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _slot_down_sum_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weights_ptr,
+                          out_ptr, num_experts, N, K, stride_w_expert, stride_w_row,
+                          TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``out[t, n] = sum_j round(routing_weights[s] * (hidden[s] . w[e_s, n]))`` over the slots
+    ``s = t * TOP_K + j`` in order of ``j``, in fp32; ``round`` to ``out``'s dtype."""
+    token = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    row_mask = rows < N
+    ks = tl.arange(0, BLOCK_K)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = token * TOP_K + j
+        expert = tl.load(ids_ptr + slot)
+        if expert == num_experts:
+            expert_w_ptr = shared_w_ptr
+        else:
+            expert_w_ptr = w_ptr + expert * stride_w_expert
+        h_ptrs = hidden_ptr + slot * K + ks  # [BK]
+        w_ptrs = expert_w_ptr + rows[:, None] * stride_w_row + ks[None, :]  # [BN, BK]
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k_start in range(0, K, BLOCK_K):
+            k_mask = ks < K - k_start
+            h = tl.load(h_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]  # [1, BK]
+            w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += w.to(tl.float32) * h
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        weight = tl.load(routing_weights_ptr + slot).to(tl.float32)
+        slot_out = tl.sum(acc, axis=1) * weight
+        total += slot_out.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + token * N + rows, total.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def slot_gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor,
+                 topk_ids: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+    """GEMM 1 per slot: ``x [T, H]`` through each slot's expert of ``w13 [E, 2I, H]`` (expert
+    ``E``: ``shared_w13 [2I, H]``), ``topk_ids [T, k]`` contiguous -> ``silu(gate) * up`` as
+    ``hidden [T * k, I]``."""
+    tokens, top_k = topk_ids.shape
+    inter = w13.shape[1] // 2
+    hidden = x.new_empty(tokens * top_k, inter)
+    grid = (tokens * top_k, triton.cdiv(inter, config.BLOCK_N))
+    _slot_gate_up_kernel[grid](
+        x, w13, shared_w13, topk_ids, hidden, w13.shape[0], inter, x.shape[1],
+        x.stride(0), w13.stride(0), w13.stride(1), TOP_K=top_k,
+        BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return hidden
+
+
+def slot_down_sum(hidden: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  config: GemmConfig) -> torch.Tensor:
+    """GEMM 2 and the slot sum: ``hidden [T * k, I]`` (contiguous) through each slot's expert
+    of ``w2 [E, H, I]`` (expert ``E``: ``shared_w2 [H, I]``), times ``topk_weights [T, k]``,
+    summed over each token's slots -> ``[T, H]``."""
+    tokens, top_k = topk_ids.shape
+    hidden_size = w2.shape[1]
+    out = hidden.new_empty(tokens, hidden_size)
+    grid = (tokens, triton.cdiv(hidden_size, config.BLOCK_N))
+    _slot_down_sum_kernel[grid](
+        hidden, w2, shared_w2, topk_ids, topk_weights, out, w2.shape[0], hidden_size,
+        hidden.shape[1], w2.stride(0), w2.stride(1), TOP_K=top_k,
+        BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
