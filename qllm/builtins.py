@@ -5,7 +5,7 @@ from __future__ import annotations
 from qllm.cache.paged_kv import PagedKVPool, bytes_per_block
 from qllm.cache.recurrent_slots import RecurrentSlotPool, bytes_per_slot
 from qllm.hookspecs import hookimpl
-from qllm.ops import attention, gdn
+from qllm.ops import attention, gdn, linear
 from qllm.specs import CacheKindSpec, KernelSpec, LayerKindSpec
 
 
@@ -47,4 +47,5 @@ def qllm_kernels():
         KernelSpec(op="causal_conv1d_update", name="torch", fn=gdn.causal_conv1d_update),
         KernelSpec(op="gdn_prefill", name="torch", fn=gdn.gdn_prefill),
         KernelSpec(op="gdn_decode", name="torch", fn=gdn.gdn_decode),
+        KernelSpec(op="linear", name="torch", fn=linear.linear),
     ]

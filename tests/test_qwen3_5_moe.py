@@ -63,7 +63,8 @@ def test_input_projection_holds_router_then_shared_gate():
     ``align1`` kernels)."""
     from transformers import Qwen3_5MoeTextConfig
 
-    kernels = SimpleNamespace(moe_router=moe.moe_router, fused_moe=moe.fused_moe)
+    kernels = SimpleNamespace(moe_router=moe.moe_router, fused_moe=moe.fused_moe,
+                              linear=F.linear)
     with torch.device("meta"):
         block = moe.SparseMoeBlock(Qwen3_5MoeTextConfig(), kernels, renormalize=True)
     proj = block.input_proj

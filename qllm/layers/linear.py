@@ -1,9 +1,12 @@
-"""Linear layers that keep HF parameter names, including packed (fused) projections."""
+"""Linear layers that keep HF parameter names, including packed (fused) projections; their
+matmul is the ``linear`` op chosen for the model (``qllm.ops.linear`` or a kernel plugin)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from qllm.plugins import Kernels
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -14,7 +17,21 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-class PackedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """``nn.Linear`` (same ``weight [N, K]`` / ``bias [N]`` parameters, so checkpoints load
+    unchanged) whose forward calls the ``linear`` kernel chosen when the model is built."""
+
+    def __init__(self, in_features: int, out_features: int, kernels: Kernels,
+                 bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
+        self._linear = kernels.linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., in_features]`` -> ``[..., out_features]``."""
+        return self._linear(x, self.weight, self.bias)
+
+
+class PackedLinear(Linear):
     """Several HF projections of one input fused into one matmul, e.g. q/k/v or gate/up.
 
     ``shard_sizes`` maps each HF projection's shard name to its output rows, in order;
@@ -27,10 +44,11 @@ class PackedLinear(nn.Linear):
     Qwen3.5 MoE input projection at batch 200 on the H200).
     """
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False,
-                 row_multiple: int = 1):
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], kernels: Kernels,
+                 bias: bool = False, row_multiple: int = 1):
         rows = sum(shard_sizes.values())
-        super().__init__(in_features, -(-rows // row_multiple) * row_multiple, bias=bias)
+        super().__init__(in_features, -(-rows // row_multiple) * row_multiple, kernels,
+                         bias=bias)
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         offset = 0
         for name, size in shard_sizes.items():

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from qllm.layers.activation import silu_and_mul
-from qllm.layers.linear import PackedLinear
+from qllm.layers.linear import Linear, PackedLinear
+from qllm.plugins import Kernels
 
 
 class SwiGLUMLP(nn.Module):
@@ -15,11 +16,11 @@ class SwiGLUMLP(nn.Module):
 
     prefill_region = True  # see CausalLM.prefill_regions
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, kernels: Kernels):
         super().__init__()
         self.gate_up_proj = PackedLinear(hidden_size, {"gate": intermediate_size,
-                                                       "up": intermediate_size})
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+                                                       "up": intermediate_size}, kernels)
+        self.down_proj = Linear(intermediate_size, hidden_size, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` -> ``[T, H]``."""

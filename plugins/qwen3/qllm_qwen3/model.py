@@ -9,7 +9,7 @@ from qllm.config import EngineConfig
 from qllm.layers.attention import PagedAttention
 from qllm.layers.decoder_stack import DecoderStack
 from qllm.layers.embedding import LMHead
-from qllm.layers.linear import PackedLinear
+from qllm.layers.linear import Linear, PackedLinear
 from qllm.layers.mlp import SwiGLUMLP
 from qllm.layers.norm import RMSNorm
 from qllm.layers.rotary import RotaryEmbedding, rope_theta
@@ -28,8 +28,8 @@ class Qwen3Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_size, "k": kv_size,
                                                           "v": kv_size},
-                                     bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_bias)
+                                     kernels, bias=config.attention_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, kernels, bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(self.head_dim, self.head_dim,
@@ -52,7 +52,7 @@ class Qwen3DecoderLayer(nn.Module):
     def __init__(self, config, kernels: Kernels, cache_dtype: torch.dtype):
         super().__init__()
         self.self_attn = Qwen3Attention(config, kernels, cache_dtype)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from qllm.layers.attention import PagedAttention
-from qllm.layers.linear import PackedLinear
+from qllm.layers.linear import Linear, PackedLinear
 from qllm.layers.norm import RMSNorm
 from qllm.layers.rotary import RotaryEmbedding, rope_theta
 from qllm.plugins import Kernels
@@ -30,8 +30,8 @@ class GatedAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # q_proj rows are [q | gate] per head; they stay interleaved inside the "q" shard.
         self.qkv_proj = PackedLinear(config.hidden_size,
-                                     {"q": 2 * q_size, "k": kv_size, "v": kv_size})
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+                                     {"q": 2 * q_size, "k": kv_size, "v": kv_size}, kernels)
+        self.o_proj = Linear(q_size, config.hidden_size, kernels)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered=True)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered=True)
         self.rotary_emb = RotaryEmbedding(self.head_dim, rotary_dim_of(config),

@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from qllm.layers.gated_norm import RMSNormGated
-from qllm.layers.linear import default_weight_loader
+from qllm.layers.linear import Linear, default_weight_loader
 from qllm.plugins import Kernels
 from qllm.runner.batch import ForwardBatch
 from qllm.specs import CacheRequirement
 
 
-class GDNInputProjection(nn.Linear):
+class GDNInputProjection(Linear):
     """All GDN input projections as one matmul; output rows ``[q | k | v | z | b | a]``
     (``q``, ``k``: ``Hk * dk``; ``v``, ``z``: ``Hv * dv``; ``b``, ``a``: ``Hv``).
 
@@ -31,11 +31,11 @@ class GDNInputProjection(nn.Linear):
     """
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
-                 head_v_dim: int, fused_checkpoint: bool):
+                 head_v_dim: int, fused_checkpoint: bool, kernels: Kernels):
         self.hk, self.hv, self.dk, self.dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
         key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.sizes = [key_dim, key_dim, value_dim, value_dim, num_v_heads, num_v_heads]
-        super().__init__(hidden_size, sum(self.sizes), bias=False)
+        super().__init__(hidden_size, sum(self.sizes), kernels)
         starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
         if fused_checkpoint:
             self.shard_offsets = {"in_proj_qkvz": None, "in_proj_ba": None}
@@ -97,14 +97,15 @@ class GatedDeltaNet(nn.Module):
         self.conv_dtype, self.ssm_dtype = conv_dtype, ssm_dtype
 
         self.in_proj = GDNInputProjection(config.hidden_size, self.num_k_heads, self.num_v_heads,
-                                          self.head_k_dim, self.head_v_dim, fused_checkpoint)
+                                          self.head_k_dim, self.head_v_dim, fused_checkpoint,
+                                          kernels)
         # Holds the depthwise weight [conv_dim, 1, K] under its HF name; the ops apply it.
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel_size,
                                 groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = RMSNormGated(self.head_v_dim, eps=config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, config.hidden_size, kernels)
 
         self._conv_prefill = kernels.causal_conv1d_prefill
         self._conv_update = kernels.causal_conv1d_update

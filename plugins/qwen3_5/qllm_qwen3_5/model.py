@@ -49,7 +49,7 @@ class DecoderLayer(nn.Module):
         if is_sparse_layer(variant, config, index):
             self.mlp = SparseMoeBlock(config, kernels, variant.norm_topk_prob)
         else:
-            self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+            self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, kernels)
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero_centered=True)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qllm.layers.activation import silu_and_mul
-from qllm.layers.linear import PackedLinear, default_weight_loader
+from qllm.layers.linear import Linear, PackedLinear, default_weight_loader
 from qllm.plugins import Kernels
 
 
@@ -162,13 +162,14 @@ class SparseMoeBlock(nn.Module):
         shared = config.shared_expert_intermediate_size  # == moe_intermediate_size (validate)
         self.num_experts = config.num_experts
         self.input_proj = PackedLinear(config.hidden_size, {
-            "router": config.num_experts, "shared_expert_gate": 1}, row_multiple=8)
+            "router": config.num_experts, "shared_expert_gate": 1}, kernels, row_multiple=8)
         self.router = Router(config.num_experts_per_tok, renormalize, kernels)
         self.experts = Experts(config.num_experts, config.hidden_size,
                                config.moe_intermediate_size, kernels)
         self.shared_expert = nn.ModuleDict({
-            "gate_up_proj": PackedLinear(config.hidden_size, {"gate": shared, "up": shared}),
-            "down_proj": nn.Linear(shared, config.hidden_size, bias=False)})
+            "gate_up_proj": PackedLinear(config.hidden_size, {"gate": shared, "up": shared},
+                                         kernels),
+            "down_proj": Linear(shared, config.hidden_size, kernels)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``."""
