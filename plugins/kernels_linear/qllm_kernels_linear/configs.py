@@ -1,0 +1,102 @@
+"""When the GEMV serves a call, and its launch parameters per shape ``(M rows, N, K)``: the rule
+(``default_config``) and the candidates that ``benchmarks/bench_linear.py --sweep`` times on a
+GPU to refine it (``candidates``). Both live here so a sweep result maps straight onto them.
+
+The kernel is memory-bound: it must stream the ``[N, K]`` weight once at full bandwidth. Each
+program reads ``BLOCK_N`` weight rows ``BLOCK_K`` columns at a time (contiguous, 16-byte loads)
+and keeps a ``[BLOCK_M, BLOCK_N, BLOCK_K]`` fp32 accumulator it reduces over K once, at the
+end. The rule's reasoning:
+
+- ``BLOCK_K = 256 * num_warps``: one warp's 32 threads x 8 elements span 256 columns, and the
+  warps lie side by side along K. Each thread then holds the same columns of every weight row
+  and of every ``x`` row, so ``x``'s load needs no layout conversion (compiled for sm_90: with
+  fewer columns per warp, Triton moves ``x`` through shared memory, with a barrier, in every
+  loop step); the sweep's candidates keep ``BLOCK_K`` a multiple of ``256 * num_warps``;
+- enough programs to fill the GPU (``MIN_PROGRAMS``): small ``N`` (the MoE router's 264 rows)
+  takes fewer rows per program instead of a split-K, which would need a second launch or
+  atomics to combine partial sums;
+- a bounded accumulator: ``BLOCK_M * BLOCK_N * 8`` fp32 registers per thread, at most
+  ``ACC_REGISTERS`` (8 rows at batch 1 compile to 96 registers, no spills, on sm_90);
+- loads one step ahead (``num_stages=2``: ``cp.async`` into shared memory) so that a program
+  has two steps of its rows in flight; a guess for the sweep to confirm.
+
+The vector of 8 elements assumes fp16 / bf16 (the dtypes the plugin serves); fp32 (the
+interpreter tests) is served correctly, 8 elements being two 16-byte loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The GEMV serves calls of up to this many rows; more go to cuBLAS. The decode CUDA graphs run
+# batches padded to 1, 2, 4, 8, ... rows, so this covers batches 1, 2 and 4. Each weight element
+# costs one FMA per row on CUDA cores and the accumulator grows with the rows (``BLOCK_M``): at
+# 8 rows ``ACC_REGISTERS`` leaves one weight row per program and step, while tensor-core GEMMs
+# (cuBLAS) compute the extra rows at no cost. A GPU measurement at 8 rows may move the limit.
+MAX_GEMV_ROWS = 4
+
+MIN_PROGRAMS = 128  # about one program per SM (132 on the H200)
+ACC_REGISTERS = 64  # fp32 accumulator registers per thread
+MAX_BLOCK_N = 8
+MAX_WARPS = 4
+THREAD_VECTOR = 8  # elements of a 16-byte load of fp16 / bf16
+WARP_COLUMNS = 32 * THREAD_VECTOR  # columns one warp spans
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters: ``BLOCK_N`` weight rows per program, ``BLOCK_K`` columns per loop
+    step, warps per program, and loop pipelining stages (1: none; above 1, ``cp.async`` loads
+    run ``num_stages - 1`` steps ahead through shared memory)."""
+
+    BLOCK_N: int
+    BLOCK_K: int
+    num_warps: int
+    num_stages: int
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def block_m(m: int) -> int:
+    """Rows of the accumulator for ``m`` rows of input (a power of two)."""
+    return next_power_of_2(m)
+
+
+def default_config(m: int, n: int, k: int) -> GemvConfig:
+    """The rule for ``m <= MAX_GEMV_ROWS`` rows and ``weight [n, k]`` (see the module
+    docstring). At batch 1: ``[2048, 4096]``, ``[12352, 2048]`` and ``[9216, 2048]`` take 8
+    rows x 1,024 columns per program (4 warps), ``[264, 2048]`` 2 rows (132 programs)."""
+    rows = block_m(m)
+    block_n = MAX_BLOCK_N
+    while block_n > 1 and (-(-n // block_n) < MIN_PROGRAMS
+                           or rows * block_n * THREAD_VECTOR > ACC_REGISTERS):
+        block_n //= 2
+    warps = max(1, min(MAX_WARPS, next_power_of_2(k) // WARP_COLUMNS))
+    block_k = max(16, min(next_power_of_2(k), WARP_COLUMNS * warps))
+    return GemvConfig(block_n, block_k, warps, num_stages=2)
+
+
+# The sweep's grid: per warp count, BLOCK_K of one or two warp spans per warp (no layout
+# conversion, see above; the second only up to K); accumulators up to twice ACC_REGISTERS.
+SWEEP_BLOCK_N = (1, 2, 4, 8, 16)
+SWEEP_WARPS = (2, 4, 8)
+SWEEP_STAGES = (1, 2, 3)
+
+
+def candidates(m: int, n: int, k: int) -> list[GemvConfig]:
+    """The configs ``bench_linear.py --sweep`` times for ``m`` rows and ``weight [n, k]``."""
+    rows = block_m(m)
+    found = []
+    for warps in SWEEP_WARPS:
+        for block_k in (WARP_COLUMNS * warps, 2 * WARP_COLUMNS * warps):
+            if block_k > max(next_power_of_2(k), WARP_COLUMNS * warps):
+                continue
+            for block_n in SWEEP_BLOCK_N:
+                per_thread = rows * block_n * block_k // (32 * warps)  # accumulator registers
+                if block_n <= n and per_thread <= 2 * ACC_REGISTERS:
+                    found += [GemvConfig(block_n, block_k, warps, stages)
+                              for stages in SWEEP_STAGES]
+    return found

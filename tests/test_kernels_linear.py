@@ -1,0 +1,268 @@
+"""The qllm-kernels-linear plugin against ``F.linear`` (the ``linear`` op's reference,
+``qllm.ops.linear``).
+
+- CUDA (skipped without a GPU): bf16 and fp16 parity at the Qwen3.5-35B-A3B projection shapes
+  for 1 to 5 and 16 rows (5 and 16 take ``F.linear``), with and without bias; strided and
+  batched ``x``; forced configs at the corners of the sweep's grid; CUDA-graph replay;
+  ``torch.compile(fullgraph=True, mode="reduce-overhead")`` against eager; ``opcheck``.
+- CPU: which calls take the GEMV, the launch-config rule and the sweep's candidates, the
+  launcher's input checks, the custom op's fake path under ``torch.compile(fullgraph=True)``,
+  the plugin's registration, and, under the Triton interpreter, parity at tiny shapes (every
+  row count, partial row and column tiles, several K steps) and ``opcheck``. The interpreter
+  must be switched on before Triton is imported, so ``test_triton_interpreter`` reruns this
+  file's ``interpreted`` tests in a subprocess with ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("qllm_kernels_linear")
+
+# after the skip above, so the suite runs where the plugin is not installed
+from kernel_testing import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
+                            interpreted, interpreter_driver, run_interpreted_tests)
+from qllm.plugins import PluginRegistry  # noqa: E402
+from qllm_kernels_linear import ops, plugin  # noqa: E402
+from qllm_kernels_linear.configs import (ACC_REGISTERS, MAX_GEMV_ROWS,  # noqa: E402
+                                         MIN_PROGRAMS, WARP_COLUMNS, GemvConfig, block_m,
+                                         candidates, default_config)
+from qllm_kernels_linear.testing import (QWEN3_5_35B_A3B_SHAPES, LinearInputs,  # noqa: E402
+                                         linear_inputs)
+
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+shapes = pytest.mark.parametrize("shape", QWEN3_5_35B_A3B_SHAPES.values(),
+                                 ids=QWEN3_5_35B_A3B_SHAPES.keys())
+with_bias = pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+
+
+def check_parity(inputs: LinearInputs, config: GemvConfig | None = None) -> None:
+    """Through the custom op, or the launcher with a forced config, against ``F.linear`` in
+    fp32 on the same (rounded) inputs."""
+    from qllm_kernels_linear.triton_gemv import gemv
+
+    x, weight, bias = inputs
+    out = ops.linear(*inputs) if config is None else gemv(*inputs, config=config)
+    ref = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    assert out.dtype == x.dtype and out.shape == ref.shape
+    tol = TOLERANCE[x.dtype]
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def opcheck_op(device: str, dtype: torch.dtype) -> None:
+    """``torch.library.opcheck`` (schema, fake tensor, AOT dispatch) on both paths of the op,
+    with and without bias."""
+    for rows in (2, MAX_GEMV_ROWS + 1):
+        for bias in (False, True):
+            torch.library.opcheck(ops.linear, tuple(linear_inputs(rows, 24, 40, dtype, device,
+                                                                  bias)))
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+@cuda
+@with_bias
+@pytest.mark.parametrize("dtype", HALF.values(), ids=HALF.keys())
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16], ids=lambda m: f"m{m}")
+@shapes
+def test_parity(shape, rows, dtype, bias):
+    inputs = linear_inputs(rows, *shape, dtype, "cuda", bias)
+    assert ops.takes_gemv(*inputs) == (rows <= MAX_GEMV_ROWS)
+    check_parity(inputs)
+    if rows > MAX_GEMV_ROWS:  # the fallback is F.linear itself
+        assert torch.equal(ops.linear(*inputs), F.linear(*inputs))
+
+
+@cuda
+@pytest.mark.parametrize("dtype", HALF.values(), ids=HALF.keys())
+def test_strided_and_batched_x(dtype):
+    """Rows of ``x`` apart in memory (a column slice), columns apart (stride 2) and leading
+    dimensions ``[2, 2, K]``."""
+    n, k = QWEN3_5_35B_A3B_SHAPES["out_proj"]
+    _, weight, bias = linear_inputs(1, n, k, dtype, "cuda", bias=True)
+    wide = torch.randn(4, 2 * k, device="cuda", dtype=dtype)
+    for x in (wide[:3, :k], wide[:3, ::2], wide[:, :k].reshape(2, 2, k)):
+        out = ops.linear(x, weight, bias)
+        ref = F.linear(x.float(), weight.float(), bias.float())
+        assert out.shape == (*x.shape[:-1], n)
+        torch.testing.assert_close(out.float(), ref, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+FORCED = {  # corners of the sweep's grid (and one warp), all within its register filter
+    "n1-k512-w2-s1": GemvConfig(1, 512, 2, 1),
+    "n2-k1024-w2-s3": GemvConfig(2, 1024, 2, 3),
+    "n4-k1024-w4-s2": GemvConfig(4, 1024, 4, 2),
+    "n2-k4096-w8-s3": GemvConfig(2, 4096, 8, 3),
+    "n4-k256-w1-s2": GemvConfig(4, 256, 1, 2),
+}
+
+
+@cuda
+@pytest.mark.parametrize("rows", [1, 3], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("config", FORCED.values(), ids=FORCED.keys())
+def test_forced_configs(config, rows):
+    """Partial row tiles (N = 264 rows is no multiple of 16) and K steps past the end."""
+    for n, k in (QWEN3_5_35B_A3B_SHAPES["moe_input"], (100, 3000)):
+        check_parity(linear_inputs(rows, n, k, device="cuda", bias=True), config)
+
+
+@cuda
+def test_cuda_graph_replay():
+    """Captured once, replayed after ``x`` changes in place."""
+    inputs = linear_inputs(1, *QWEN3_5_35B_A3B_SHAPES["out_proj"], device="cuda")
+    ops.linear(*inputs)  # compile the kernel before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.linear(*inputs)
+    for seed in (1, 2):
+        inputs.x.copy_(linear_inputs(1, 1, inputs.x.shape[1], device="cuda", seed=seed).x)
+        graph.replay()
+        torch.testing.assert_close(out, ops.linear(*inputs), atol=0, rtol=0)
+
+
+def _projection(x, weight, bias):
+    """How a model layer calls the registered kernel, between pointwise ops."""
+    return ops.linear(x * 2, weight, bias).relu()
+
+
+@cuda
+def test_compiled_matches_eager():
+    """A ``fullgraph`` CUDA-graph compile with a dynamic row count, like the decode step, on
+    both paths of the op."""
+    compiled = torch.compile(_projection, fullgraph=True, mode="reduce-overhead", dynamic=True)
+    n, k = QWEN3_5_35B_A3B_SHAPES["moe_input"]
+    for rows in (2, 3, 16):
+        inputs = linear_inputs(rows, n, k, device="cuda", bias=True)
+        eager = _projection(*inputs)
+        for _ in range(3):  # warm-up, record, replay
+            out = compiled(*inputs)
+        torch.testing.assert_close(out, eager, atol=0, rtol=0)
+
+
+@cuda
+def test_opcheck_cuda():
+    opcheck_op("cuda", torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- CPU
+
+def test_which_calls_take_the_gemv():
+    _, weight, bias = linear_inputs(1, 6, 8, bias=True)
+    for rows in range(MAX_GEMV_ROWS + 2):
+        assert ops.takes_gemv(torch.empty(rows, 8), weight.float(), None) == (
+            1 <= rows <= MAX_GEMV_ROWS)
+    x = torch.empty(2, 2, 8, dtype=torch.bfloat16)
+    assert ops.takes_gemv(x, weight, bias) and ops.takes_gemv(x[0, 0], weight, bias)
+    assert not ops.takes_gemv(x, weight.t().contiguous().t(), bias)  # strided rows
+    assert not ops.takes_gemv(x, weight.half(), None)
+    assert not ops.takes_gemv(x, weight, bias.float())
+
+
+def test_fallback_is_f_linear():
+    """Past ``MAX_GEMV_ROWS`` rows, and with no rows, the op is ``F.linear`` (no Triton)."""
+    for rows in (0, MAX_GEMV_ROWS + 1):
+        inputs = linear_inputs(rows, 6, 8, torch.float32, bias=True)
+        assert torch.equal(ops.linear(*inputs), F.linear(*inputs))
+
+
+def test_launch_config_rule():
+    for (n, k) in QWEN3_5_35B_A3B_SHAPES.values():
+        for rows in range(1, MAX_GEMV_ROWS + 1):
+            config = default_config(rows, n, k)
+            assert config.BLOCK_K == WARP_COLUMNS * config.num_warps  # no layout conversion
+            assert -(-n // config.BLOCK_N) >= MIN_PROGRAMS
+            assert block_m(rows) * config.BLOCK_N * 8 <= ACC_REGISTERS
+            assert config in candidates(rows, n, k)  # the sweep compares against it
+    assert default_config(1, 2048, 4096) == GemvConfig(8, 1024, 4, 2)
+    assert default_config(1, 264, 2048) == GemvConfig(2, 1024, 4, 2)
+    assert default_config(4, 12352, 2048) == GemvConfig(2, 1024, 4, 2)
+    assert default_config(1, 3, 40) == GemvConfig(1, 64, 1, 2)  # tiny shapes still launch
+    for config in candidates(2, 2048, 4096):
+        assert config.BLOCK_K % (WARP_COLUMNS * config.num_warps) == 0
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_gemv_rejects_what_it_does_not_serve():
+    from qllm_kernels_linear.triton_gemv import gemv
+
+    x, weight, bias = linear_inputs(MAX_GEMV_ROWS + 1, 6, 8, bias=True)
+    with pytest.raises(ValueError, match=f"serves 1 to {MAX_GEMV_ROWS} rows, got 5"):
+        gemv(x, weight, bias)
+    with pytest.raises(ValueError, match="contiguous weight rows"):
+        gemv(x[:1], weight.t().contiguous().t(), bias)
+    with pytest.raises(ValueError, match=r"x \[M, K\] and weight \[N, K\]"):
+        gemv(x[:1, :4], weight, bias)
+    with pytest.raises(ValueError, match="bias of shape"):
+        gemv(x[:1], weight, bias[:5])
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_compile_fullgraph_on_fake_path(bias):
+    """Dynamo and AOT autograd trace the op into one graph node, with a symbolic row count as
+    in the decode step, and the fake gives the output (meta tensors: no kernel runs)."""
+
+    def run(backend):
+        compiled = torch.compile(ops.linear, fullgraph=True, dynamic=True, backend=backend)
+        for rows in (3, 7):
+            inputs = [t if t is None else t.to("meta")
+                      for t in linear_inputs(rows, 24, 40, bias=bias)]
+            out = compiled(*inputs)
+            assert out.device.type == "meta" and out.shape == (rows, 24)
+            assert out.dtype == torch.bfloat16
+
+    (graph,) = graphs_traced_by(run)  # one graph for both row counts
+    assert called_ops(graph) == [torch.ops.qllm_linear.linear.default]
+
+
+def test_plugin_registration():
+    registry = PluginRegistry(extra_plugins=[plugin], load_entry_points=False)
+    for dtype in HALF.values():
+        kernels = registry.kernels(torch.device("cuda"), dtype)
+        assert kernels.names()["linear"] == ("triton" if HAS_TRITON else "torch")
+        if HAS_TRITON:
+            assert kernels.linear is ops.linear
+    for device, dtype in (("cpu", torch.bfloat16), ("cuda", torch.float32)):
+        assert registry.kernels(torch.device(device), dtype).names()["linear"] == "torch"
+
+
+@interpreter_driver
+def test_triton_interpreter():
+    """Runs the ``interpreted`` tests below on the CPU, in a subprocess with the interpreter."""
+    run_interpreted_tests(__file__)
+
+
+TINY_SHAPES = {"n24-k48": (24, 48), "n7-k40": (7, 40), "n33-k64": (33, 64)}
+TINY_CONFIGS = {  # None: the rule's; the others tile rows partially and take several K steps
+    "default": None,
+    "n4-k16": GemvConfig(4, 16, 1, 1),
+    "n2-k32": GemvConfig(2, 32, 1, 2),
+}
+ALL_DTYPES = {**HALF, "fp32": torch.float32}
+
+
+@interpreted
+@with_bias
+@pytest.mark.parametrize("dtype", ALL_DTYPES.values(), ids=ALL_DTYPES.keys())
+@pytest.mark.parametrize("config", TINY_CONFIGS.values(), ids=TINY_CONFIGS.keys())
+@pytest.mark.parametrize("rows", range(1, MAX_GEMV_ROWS + 1), ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("shape", TINY_SHAPES.values(), ids=TINY_SHAPES.keys())
+def test_interpreted_parity(shape, rows, config, dtype, bias):
+    check_parity(linear_inputs(rows, *shape, dtype, bias=bias), config)
+
+
+@interpreted
+def test_interpreted_strided_and_batched_x():
+    _, weight, bias = linear_inputs(1, 7, 40, torch.float16, bias=True)
+    wide = torch.randn(4, 96, dtype=torch.float16)
+    for x in (wide[:3, :40], wide[:3, ::2][:, :40], wide[:, :40].reshape(2, 2, 40)):
+        check_parity(LinearInputs(x, weight, bias))
+
+
+@interpreted
+def test_interpreted_opcheck():
+    opcheck_op("cpu", torch.float16)
