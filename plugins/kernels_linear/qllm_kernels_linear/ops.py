@@ -22,7 +22,8 @@ def takes_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     contiguous rows, and one dtype for all inputs (other calls keep ``F.linear``'s behaviour,
     errors included)."""
     rows = x.shape[:-1].numel()
-    return (x.dim() >= 1 and 1 <= rows <= MAX_GEMV_ROWS and weight.dim() == 2 and weight.stride(1) == 1
+    return (x.dim() >= 1 and 1 <= rows <= MAX_GEMV_ROWS
+            and weight.dim() == 2 and weight.stride(1) == 1
             and x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype))
 
 

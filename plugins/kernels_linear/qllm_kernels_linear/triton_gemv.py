@@ -8,8 +8,9 @@ over K once after the loop, so the loop has no cross-thread reduction. The tiles
 3-D pointers (``x`` as ``[BLOCK_M, 1, BLOCK_K]``, the weight as ``[1, BLOCK_N, BLOCK_K]``) so
 the loads set the layout of the product (each thread holding all ``BLOCK_M`` rows of its
 weight elements) instead of being converted into it (and with ``BLOCK_K = 256 * num_warps``,
-see ``configs``, ``x``'s own load layout is the product's too). Bias is added in fp32 in the epilogue; the
-output is rounded once to ``x.dtype``. The launch depends on shapes only (no host sync).
+see ``configs``, ``x``'s own load layout is the product's too). Bias is added in fp32 in the
+epilogue; the output is rounded once to ``x.dtype``. The launch depends on shapes only (no
+host sync).
 """
 
 from __future__ import annotations
