@@ -23,6 +23,7 @@ from triton.testing import do_bench
 from qllm.ops import attention
 from qllm_kernels_attention import ops
 from qllm_kernels_attention.testing import PagedInputs, paged_inputs
+from timing import graphed
 
 Q_HEADS, KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, torch.bfloat16
 PEAK_GBPS = 4300.0
@@ -49,14 +50,6 @@ def traffic(x: PagedInputs) -> tuple[int, int]:
     pairs = sum(q_len * (seq_len - q_len) + q_len * (q_len + 1) // 2
                 for q_len, seq_len in zip(b.query_lens_host, b.seq_lens_host))
     return kv_bytes + qo_bytes, 4 * pairs * Q_HEADS * HEAD_DIM
-
-
-def graphed(call):
-    """``call`` captured in a CUDA graph (already warmed up); returns its replay."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph.replay
 
 
 def measure(kind: str, name: str, x: PagedInputs, impls: list[str]) -> list[dict]:

@@ -45,6 +45,7 @@ from qllm.ops import gdn as reference
 from qllm_kernels_gdn import ops
 from qllm_kernels_gdn.testing import (QWEN3_5_35B_A3B, conv_inputs, gdn_inputs, make_batch,
                                       random_batch)
+from timing import graphed
 
 GEOMETRY = QWEN3_5_35B_A3B
 DTYPE, CONV_DTYPE = torch.bfloat16, torch.bfloat16
@@ -106,14 +107,6 @@ def decode_batch(batch_size: int):
         return make_batch([1] * batch_size, list(range(batch_size)), [True] * batch_size,
                           device="cuda")
     return random_batch([1] * batch_size, NUM_SLOTS, True, device="cuda", seed=batch_size)
-
-
-def graphed(call):
-    """``call`` captured in a CUDA graph (already warmed up); returns its replay."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph.replay
 
 
 def measure(kind: str, name: str, batch, impls: list[str]) -> list[dict]:

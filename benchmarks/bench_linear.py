@@ -1,0 +1,133 @@
+"""Micro-benchmark of the Triton GEMV (the ``qllm_linear::linear`` op) against ``F.linear``
+(cuBLAS), and the sweep of its launch configurations.
+
+Qwen3.5-35B-A3B projections at decode, bf16 (``qllm_kernels_linear.testing``): ``out_proj`` /
+``o_proj`` ``[2048, 4096]``, the MoE ``input_proj`` ``[264, 2048]``, the GDN ``in_proj``
+``[12352, 2048]`` and the attention ``qkv_proj`` ``[9216, 2048]``, at 1, 2 and 4 rows. Times
+are medians of ``triton.testing.do_bench`` over CUDA-graph replays (decode runs in CUDA graphs
+in the engine; ``eager_us``: plain calls, CPU launch cost included), the L2 flushed before
+each run, as the weights of a decode step's other layers would flush it. GB/s is the weight's
+bytes over the time (against the H200's ~4.3 TB/s); ``max_err`` the largest difference from
+``F.linear``. Prints a table, then one JSON object per row.
+
+``--sweep`` times every candidate of ``configs.candidates`` per (rows, shape) through the
+launcher, checks the fastest against ``F.linear``, and prints one JSON line per (rows, shape):
+the five fastest configs, the rule's (``configs.default_config``) and cuBLAS's times, to refine
+the rule. About 190 kernel variants compile on the first shapes; ``--rows`` / ``--shapes``
+split a sweep over several runs.
+
+    python benchmarks/bench_linear.py [--rows 1 2 4] [--shapes out_proj moe_input ...]
+    python benchmarks/bench_linear.py --sweep [--rows 1] [--shapes out_proj]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+
+import torch
+import torch.nn.functional as F
+
+from qllm_kernels_linear import ops
+from qllm_kernels_linear.configs import MAX_GEMV_ROWS, candidates, default_config
+from qllm_kernels_linear.testing import QWEN3_5_35B_A3B_SHAPES, linear_inputs
+from qllm_kernels_linear.triton_gemv import gemv
+from timing import time_ms
+
+DTYPE = torch.bfloat16
+PEAK_GBPS = 4300.0
+SWEEP_REP_MS = 25  # per candidate: hundreds of runs of a few microseconds each
+
+
+def gbps(weight: torch.Tensor, ms: float) -> float:
+    return weight.numel() * weight.element_size() / ms / 1e6
+
+
+def max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return round((out.float() - ref.float()).abs().max().item(), 4)
+
+
+def measure(name: str, rows: int) -> list[dict]:
+    """The op (the GEMV up to ``MAX_GEMV_ROWS`` rows) and cuBLAS on one shape."""
+    x, weight, _ = inputs = linear_inputs(rows, *QWEN3_5_35B_A3B_SHAPES[name], DTYPE, "cuda")
+    reference = F.linear(x, weight)
+    result = []
+    for impl, fn in (("triton", ops.linear), ("cublas", F.linear)):
+        call = functools.partial(fn, *inputs)
+        ms, eager_ms = time_ms(call, graph=True), time_ms(call, graph=False)
+        result.append(dict(shape=name, rows=rows, n=weight.shape[0], k=weight.shape[1],
+                           impl=impl, us=round(1e3 * ms, 2), eager_us=round(1e3 * eager_ms, 2),
+                           gbps=round(gbps(weight, ms), 1),
+                           pct_peak_bw=round(100 * gbps(weight, ms) / PEAK_GBPS, 1),
+                           max_err=max_err(call(), reference)))
+    return result
+
+
+def print_rows(rows: list[dict]) -> None:
+    header = (f"{'shape':<13}{'rows':>5}{'N':>7}{'K':>6}  {'impl':<8}{'us':>8}{'eager_us':>10}"
+              f"{'GB/s':>9}{'%peak':>7}{'max_err':>9}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['shape']:<13}{r['rows']:>5}{r['n']:>7}{r['k']:>6}  {r['impl']:<8}"
+              f"{r['us']:>8.2f}{r['eager_us']:>10.2f}{r['gbps']:>9.1f}{r['pct_peak_bw']:>7.1f}"
+              f"{r['max_err']:>9.4f}")
+    for r in rows:
+        print(json.dumps(r))
+
+
+def sweep(name: str, rows: int) -> dict:
+    """Every candidate config on one shape, fastest first; failures (e.g. too much shared
+    memory) are counted, not fatal."""
+    x, weight, _ = linear_inputs(rows, *QWEN3_5_35B_A3B_SHAPES[name], DTYPE, "cuda")
+    n, k = weight.shape
+    timed, failed = [], 0
+    for config in candidates(rows, n, k):
+        try:
+            ms = time_ms(functools.partial(gemv, x, weight, config=config), graph=True,
+                         rep=SWEEP_REP_MS)
+        except Exception:  # noqa: BLE001 - a config the GPU cannot launch is skipped
+            failed += 1
+            continue
+        timed.append((ms, config))
+    if not timed:
+        raise RuntimeError(f"no candidate config ran for {rows} x {name}")
+    timed.sort(key=lambda item: item[0])
+    best_ms, best = timed[0]
+    rule = default_config(rows, n, k)
+    rule_ms = next((ms for ms, config in timed if config == rule), None)  # None: it failed
+    cublas_ms = time_ms(functools.partial(F.linear, x, weight), graph=True, rep=SWEEP_REP_MS)
+    return dict(shape=name, rows=rows, n=n, k=k,
+                best=dataclasses.asdict(best), us=round(1e3 * best_ms, 2),
+                gbps=round(gbps(weight, best_ms), 1),
+                max_err=max_err(gemv(x, weight, config=best), F.linear(x, weight)),
+                rule=dataclasses.asdict(rule),
+                rule_us=None if rule_ms is None else round(1e3 * rule_ms, 2),
+                cublas_us=round(1e3 * cublas_ms, 2),
+                top=[dict(**dataclasses.asdict(config), us=round(1e3 * ms, 2))
+                     for ms, config in timed[:5]],
+                tried=len(timed), failed=failed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4])
+    parser.add_argument("--shapes", nargs="+", default=list(QWEN3_5_35B_A3B_SHAPES),
+                        choices=list(QWEN3_5_35B_A3B_SHAPES))
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    if args.sweep and max(args.rows) > MAX_GEMV_ROWS:
+        parser.error(f"--sweep times the GEMV, which serves up to {MAX_GEMV_ROWS} rows")
+    if args.sweep:
+        for rows in args.rows:
+            for name in args.shapes:
+                print(json.dumps(sweep(name, rows)), flush=True)
+        return
+    print_rows([row for rows in args.rows for name in args.shapes
+                for row in measure(name, rows)])
+
+
+if __name__ == "__main__":
+    main()
