@@ -6,8 +6,11 @@
 #   gpu-tests: Qwen3 and Qwen3.5 model tests on CUDA; kernel-tests: kernel parity tests
 #   (moe-tests: the MoE ones alone, stopping at the first failure; quick-kernel-tests: the MoE
 #   align, parity, graph and compile cases and the GDN conv, fla, decode and compile cases,
-#   which fit a short call where the whole kernel-tests stage does not);
-#   kernels: kernel micro-benchmarks; w1, w2, w3: throughput.py, then a decode-step profile
+#   which fit a short call where the whole kernel-tests stage does not; linear-tests: the
+#   linear (GEMV) plugin's tests);
+#   kernels: kernel micro-benchmarks; bench-linear: the GEMV's launch-config sweep at the
+#   Qwen3.5-35B-A3B projection shapes (JSON lines, best config per shape and row count);
+#   w1, w2, w3: throughput.py, then a decode-step profile
 #   on the same engine (W1 batch 256 x 1,100, W2 200 x 2,000, W3 1 x 512; files in $OUT);
 #   w3-autotune: W3 with Inductor's GEMM autotuning in the decode layers;
 #   w1-peer, w2-peer, w3-peer:
@@ -32,7 +35,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/qwen3 \
     -e plugins/qwen3_5 -e plugins/kernels_attention -e plugins/kernels_moe \
-    -e plugins/kernels_gdn > "$out/install.log" 2>&1 || { tail "$out/install.log"; exit 1; }
+    -e plugins/kernels_gdn -e plugins/kernels_linear > "$out/install.log" 2>&1 \
+    || { tail "$out/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv | tee "$out/gpu.txt"
 # Tests print their reports as they go (-s), and a test past 150 s (300 s for the model tests,
 # whose first case builds the real-geometry checkpoint) fails alone (pytest-timeout, on the
@@ -58,9 +62,14 @@ for stage in "$@"; do
                                 "(triton_align or cuda_graph or compiled or test_parity or conv_ or (prefill_parity and fla) or gdn_decode_parity) and not interpreted" ;;
         attention-tests) run attention_tests 300 python3 -m pytest $PYTEST_GPU \
                              tests/test_kernels_attention.py ;;
+        linear-tests) run linear_tests 300 python3 -m pytest $PYTEST_GPU \
+                          tests/test_kernels_linear.py ;;
         kernels) run bench_attention 100 python3 benchmarks/bench_attention.py
                  run bench_moe 100 python3 benchmarks/bench_moe.py
-                 run bench_gdn 100 python3 benchmarks/bench_gdn.py ;;
+                 run bench_gdn 100 python3 benchmarks/bench_gdn.py
+                 run bench_linear 100 python3 benchmarks/bench_linear.py ;;
+        bench-linear) TAIL=${TAIL:-12} run bench_linear_sweep 480 python3 \
+                          benchmarks/bench_linear.py --sweep ;;
         w1) run w1 300 python3 benchmarks/throughput.py --workload w1 \
                 --profile-decode 256 1100 --profile-out "$out" ;;
         w1-peer) run w1_peer 200 python3 benchmarks/throughput.py --workload w1 \
