@@ -133,7 +133,8 @@ def _projection(x, weight, bias):
 @cuda
 def test_compiled_matches_eager():
     """A ``fullgraph`` CUDA-graph compile with a dynamic row count, like the decode step, on
-    both paths of the op."""
+    both paths of the op: the GEMV's output is bit for bit the eager one (cuBLAS's may pick
+    another algorithm under graph capture)."""
     compiled = torch.compile(_projection, fullgraph=True, mode="reduce-overhead", dynamic=True)
     n, k = QWEN3_5_35B_A3B_SHAPES["moe_input"]
     for rows in (2, 3, 16):
@@ -141,7 +142,8 @@ def test_compiled_matches_eager():
         eager = _projection(*inputs)
         for _ in range(3):  # warm-up, record, replay
             out = compiled(*inputs)
-        torch.testing.assert_close(out, eager, atol=0, rtol=0)
+        tol = 0 if rows <= MAX_GEMV_ROWS else TOLERANCE[torch.bfloat16]
+        torch.testing.assert_close(out, eager, atol=tol, rtol=tol)
 
 
 @cuda
