@@ -75,10 +75,9 @@ def _slot_down_sum_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weig
     for j in tl.static_range(TOP_K):
         slot = token * TOP_K + j
         expert = tl.load(ids_ptr + slot)
-        if expert == num_experts:
-            expert_w_ptr = shared_w_ptr
-        else:
-            expert_w_ptr = w_ptr + expert * stride_w_expert
+        # a select, not a branch: the unrolled slots' loads can then be issued together
+        expert_w_ptr = tl.where(expert == num_experts, shared_w_ptr,
+                                w_ptr + expert * stride_w_expert)
         h_ptrs = hidden_ptr + slot * K + ks  # [BK]
         w_ptrs = expert_w_ptr + rows[:, None] * stride_w_row + ks[None, :]  # [BN, BK]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
