@@ -34,8 +34,8 @@ OP_KINDS = [
     ("gdn", ("gdn", "gated_delta", "recurrent", "chunk_", "conv1d", "conv_")),
     ("attention", ("attn", "attention", "paged", "decode_split", "decode_merge",
                    "prefill_kernel")),
-    ("moe", ("moe", "expert", "align", "topk", "sort")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "matmul", "splitk")),
+    ("moe", ("moe", "expert", "align", "topk", "sort", "router", "sum_slots", "_slot_")),
+    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "matmul", "splitk")),
     ("sampling", ("sample", "argmax", "exponential", "softmax", "multinomial")),
 ]
 

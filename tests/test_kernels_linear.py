@@ -28,7 +28,7 @@ from qllm.plugins import PluginRegistry  # noqa: E402
 from qllm_kernels_linear import ops, plugin  # noqa: E402
 from qllm_kernels_linear.configs import (ACC_REGISTERS, MAX_GEMV_ROWS,  # noqa: E402
                                          MIN_PROGRAMS, WARP_COLUMNS, GemvConfig, block_m,
-                                         candidates, default_config)
+                                         candidates, default_config, serves)
 from qllm_kernels_linear.testing import (QWEN3_5_35B_A3B_SHAPES, LinearInputs,  # noqa: E402
                                          linear_inputs)
 
@@ -71,9 +71,9 @@ def opcheck_op(device: str, dtype: torch.dtype) -> None:
 @shapes
 def test_parity(shape, rows, dtype, bias):
     inputs = linear_inputs(rows, *shape, dtype, "cuda", bias)
-    assert ops.takes_gemv(*inputs) == (rows <= MAX_GEMV_ROWS)
+    assert ops.takes_gemv(*inputs) == serves(rows, *shape)
     check_parity(inputs)
-    if rows > MAX_GEMV_ROWS:  # the fallback is F.linear itself
+    if not serves(rows, *shape):  # the fallback is F.linear itself
         assert torch.equal(ops.linear(*inputs), F.linear(*inputs))
 
 
@@ -142,7 +142,7 @@ def test_compiled_matches_eager():
         eager = _projection(*inputs)
         for _ in range(3):  # warm-up, record, replay
             out = compiled(*inputs)
-        tol = 0 if rows <= MAX_GEMV_ROWS else TOLERANCE[torch.bfloat16]
+        tol = 0 if serves(rows, n, k) else TOLERANCE[torch.bfloat16]
         torch.testing.assert_close(out, eager, atol=tol, rtol=tol)
 
 
@@ -163,6 +163,17 @@ def test_which_calls_take_the_gemv():
     assert not ops.takes_gemv(x, weight.t().contiguous().t(), bias)  # strided rows
     assert not ops.takes_gemv(x, weight.half(), None)
     assert not ops.takes_gemv(x, weight, bias.float())
+
+
+def test_gemv_serves_the_measured_winners():
+    """One row always; more only where the H200 measured the GEMV ahead of cuBLAS."""
+    shapes = QWEN3_5_35B_A3B_SHAPES
+    assert all(serves(1, n, k) for n, k in shapes.values())
+    assert serves(2, *shapes["out_proj"]) and not serves(4, *shapes["out_proj"])
+    assert serves(2, *shapes["moe_input"]) and serves(4, *shapes["moe_input"])
+    assert not any(serves(rows, *shapes[name]) for rows in (2, 4)
+                   for name in ("gdn_in_proj", "qkv_proj"))
+    assert not serves(MAX_GEMV_ROWS + 1, 6, 8) and not serves(0, 6, 8)
 
 
 def test_fallback_is_f_linear():

@@ -28,12 +28,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The GEMV serves calls of up to this many rows; more go to cuBLAS. The decode CUDA graphs run
-# batches padded to 1, 2, 4, 8, ... rows, so this covers batches 1, 2 and 4. Each weight element
-# costs one FMA per row on CUDA cores and the accumulator grows with the rows (``BLOCK_M``): at
-# 8 rows ``ACC_REGISTERS`` leaves one weight row per program and step, while tensor-core GEMMs
-# (cuBLAS) compute the extra rows at no cost. A GPU measurement at 8 rows may move the limit.
+# The kernel serves up to this many rows. The decode CUDA graphs run batches padded to 1, 2,
+# 4, 8, ... rows, so this covers batches 1, 2 and 4. Each weight element costs one FMA per row
+# on CUDA cores and the accumulator grows with the rows (``BLOCK_M``), while tensor-core GEMMs
+# (cuBLAS) compute the extra rows at no cost.
 MAX_GEMV_ROWS = 4
+# Above one row the GEMV is taken only while rows x weight elements stay within this bound.
+# Measured on the H200 with the rule's configs (bench_linear.py, 2026-11-30, us GEMV / cuBLAS):
+# 1 row: on par or better on every shape ([2048, 4096] 7.4 / 10.2 and [264, 2048] 2.6 / 5.3 in
+# the W3 step); 2 rows: [2048, 4096] 12.0 / 14.1 and [264, 2048] 7.2 / 9.4, but [12352, 2048]
+# 27.6 / 22.5 and [9216, 2048] 22.1 / 18.3; 4 rows: [264, 2048] 7.3 / 9.2, [2048, 4096]
+# 15.5 / 14.0. The bound keeps exactly the winners.
+MAX_MULTI_ROW_ELEMENTS = 2 * 2048 * 4096
+
+
+def serves(rows: int, n: int, k: int) -> bool:
+    """Whether the GEMV (rather than cuBLAS) should compute ``rows`` rows through a weight
+    ``[n, k]`` (see ``MAX_MULTI_ROW_ELEMENTS``)."""
+    return rows == 1 or (1 < rows <= MAX_GEMV_ROWS and rows * n * k <= MAX_MULTI_ROW_ELEMENTS)
 
 MIN_PROGRAMS = 128  # about one program per SM (132 on the H200)
 ACC_REGISTERS = 64  # fp32 accumulator registers per thread

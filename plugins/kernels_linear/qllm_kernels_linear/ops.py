@@ -3,10 +3,10 @@
 
 A custom op is opaque to ``torch.compile``: its fake implementation gives the output's shape,
 so a ``fullgraph=True`` decode graph (with a symbolic batch size) stays whole and calls the op
-as one node. Inside the op the row count is concrete: calls of up to ``MAX_GEMV_ROWS`` rows
-(decode at batch 1 to 4) run the GEMV, larger ones ``F.linear`` (cuBLAS's tensor-core
-GEMMs). The op and its fake exist without Triton; the kernel
-is imported on the first call that needs it.
+as one node. Inside the op the row count is concrete: one row (decode at batch 1), or up to
+``MAX_GEMV_ROWS`` through a small weight, runs the GEMV (``configs.serves``, measured); other
+calls ``F.linear`` (cuBLAS's tensor-core GEMMs). The op and its fake exist without Triton; the
+kernel is imported on the first call that needs it.
 """
 
 from __future__ import annotations
@@ -14,16 +14,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qllm_kernels_linear.configs import MAX_GEMV_ROWS
+from qllm_kernels_linear.configs import serves
 
 
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the op runs the GEMV: 1 to ``MAX_GEMV_ROWS`` rows of ``x``, a 2-D weight with
-    contiguous rows, and one dtype for all inputs (other calls keep ``F.linear``'s behaviour,
-    errors included)."""
-    rows = x.shape[:-1].numel()
-    return (x.dim() >= 1 and 1 <= rows <= MAX_GEMV_ROWS
-            and weight.dim() == 2 and weight.stride(1) == 1
+    """Whether the op runs the GEMV: rows of ``x`` and a 2-D weight that ``configs.serves``
+    (one row; a few through a small weight), contiguous weight rows, and one dtype for all
+    inputs (other calls keep ``F.linear``'s behaviour, errors included)."""
+    return (x.dim() >= 1 and weight.dim() == 2 and weight.stride(1) == 1
+            and serves(x.shape[:-1].numel(), *weight.shape)
             and x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype))
 
 
