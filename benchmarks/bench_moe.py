@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.testing import do_bench
 
 from qllm_kernels_moe import ops
 from qllm_kernels_moe.align import moe_align
@@ -44,6 +43,7 @@ from qllm_kernels_moe.triton_align import MAX_SLOTS, moe_align_triton
 from qllm_kernels_moe.triton_moe import down, fused_moe_triton, gate_up, sum_slots
 from qllm_kernels_moe.triton_slot_moe import slot_down_sum, slot_gate_up
 from qllm_qwen3_5.moe import fused_moe as torch_fused_moe
+from timing import time_ms
 
 EXPERTS, TOP_K, HIDDEN, INTER, DTYPE = 256, 8, 2048, 512, torch.bfloat16
 PEAK_GBPS = 4300.0
@@ -52,21 +52,6 @@ CASES = {"decode b1": 1, "decode b4": 4, "decode b16": 16, "decode b64": 64, "de
          "prefill 4096": 4096}
 TUNE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 SMEM_BYTES = 227 * 1024  # per-block shared memory on H100 / H200
-
-
-def graphed(call):
-    """``call`` captured in a CUDA graph (already warmed up); returns its replay."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph.replay
-
-
-def time_ms(call, graph: bool, rep: int = 100) -> float:
-    """Median ms of ``call`` (run once first, to compile) over ``rep`` ms of runs, as a graph
-    replay or eagerly."""
-    call()
-    return do_bench(graphed(call) if graph else call, rep=rep, return_mode="median")
 
 
 def traffic(inputs: MoeInputs) -> tuple[int, int]:

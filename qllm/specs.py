@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,17 @@ class KernelSpec:
     fn: Callable[..., Any]
     priority: int = 0
     is_available: Callable[[torch.device, torch.dtype], bool] = lambda device, dtype: True
+
+
+def triton_on_cuda(dtypes: tuple[torch.dtype, ...] = HALF_DTYPES
+                   ) -> Callable[[torch.device, torch.dtype], bool]:
+    """A ``KernelSpec.is_available`` for Triton kernels: a CUDA device, an activation dtype
+    among ``dtypes``, and Triton importable."""
+
+    def available(device: torch.device, dtype: torch.dtype) -> bool:
+        return HAS_TRITON and device.type == "cuda" and dtype in dtypes
+
+    return available
 
 
 @dataclass(frozen=True)

@@ -19,25 +19,18 @@ import importlib.util
 import torch
 
 from qllm.hookspecs import hookimpl
-from qllm.specs import KernelSpec
+from qllm.specs import HALF_DTYPES, KernelSpec, triton_on_cuda
 from qllm_kernels_attention import ops
 
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_FLASH_ATTN = any(importlib.util.find_spec(name) for name in ("vllm_flash_attn", "flash_attn"))
-
-
-def cuda_half_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """GPU kernels here need CUDA, fp16/bf16 activations and Triton."""
-    return HAS_TRITON and device.type == "cuda" and dtype in HALF_DTYPES
 
 
 def _triton_specs() -> list[KernelSpec]:
     return [
         KernelSpec(op="paged_attention_decode", name="triton", fn=ops.paged_attention_decode,
-                   priority=10, is_available=cuda_half_available),
+                   priority=10, is_available=triton_on_cuda()),
         KernelSpec(op="paged_attention_prefill", name="triton", fn=ops.paged_attention_prefill,
-                   priority=10, is_available=cuda_half_available),
+                   priority=10, is_available=triton_on_cuda()),
     ]
 
 

@@ -17,17 +17,12 @@ import importlib.util
 import torch
 
 from qllm.hookspecs import hookimpl
-from qllm.specs import KernelSpec
+from qllm.specs import HALF_DTYPES, KernelSpec, triton_on_cuda
 from qllm_kernels_gdn import ops
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_FLA = importlib.util.find_spec("fla") is not None
-
-
-def triton_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """The Triton kernels need CUDA, a float activation dtype and Triton."""
-    return HAS_TRITON and device.type == "cuda" and dtype in FLOAT_DTYPES
+# The Triton kernels take any float activation dtype.
+triton_available = triton_on_cuda(HALF_DTYPES + (torch.float32,))
 
 
 def fla_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -7,26 +7,14 @@ fp16/bf16 when Triton is importable.
 
 from __future__ import annotations
 
-import importlib.util
-
-import torch
-
 from qllm.hookspecs import hookimpl
-from qllm.specs import KernelSpec
+from qllm.specs import KernelSpec, triton_on_cuda
 from qllm_kernels_moe import ops
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def cuda_half_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """The kernel needs CUDA, fp16/bf16 activations and Triton."""
-    return HAS_TRITON and device.type == "cuda" and dtype in HALF_DTYPES
 
 
 @hookimpl
 def qllm_kernels():
     return [KernelSpec(op="fused_moe", name="triton", fn=ops.fused_moe, priority=10,
-                       is_available=cuda_half_available),
+                       is_available=triton_on_cuda()),
             KernelSpec(op="moe_router", name="triton", fn=ops.moe_router, priority=10,
-                       is_available=cuda_half_available)]
+                       is_available=triton_on_cuda())]
