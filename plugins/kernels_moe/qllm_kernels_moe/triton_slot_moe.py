@@ -64,21 +64,27 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
 @triton.jit
 def _slot_down_sum_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weights_ptr,
                           out_ptr, num_experts, N, K, stride_w_expert, stride_w_row,
-                          TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``out[t, n] = sum_j round(routing_weights[s] * (hidden[s] . w[e_s, n]))`` over the slots
     ``s = t * TOP_K + j`` in order of ``j``, in fp32; ``round`` to ``out``'s dtype."""
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     row_mask = rows < N
     ks = tl.arange(0, BLOCK_K)
+    # The token's expert ids and routing weights in one load each; each slot picks its own out
+    # of the registers, so no slot's weight loads wait on a load of its id.
+    js = tl.arange(0, SLOTS_PAD)
+    first_slot = token * TOP_K
+    slot_ids = tl.load(ids_ptr + first_slot + js, mask=js < TOP_K, other=0)  # [SP]
+    slot_weights = tl.load(routing_weights_ptr + first_slot + js, mask=js < TOP_K,
+                           other=0.0).to(tl.float32)  # [SP]
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        slot = token * TOP_K + j
-        expert = tl.load(ids_ptr + slot)
-        # a select, not a branch: the unrolled slots' loads can then be issued together
+        expert = tl.sum(tl.where(js == j, slot_ids, 0), axis=0)
         expert_w_ptr = tl.where(expert == num_experts, shared_w_ptr,
                                 w_ptr + expert * stride_w_expert)
-        h_ptrs = hidden_ptr + slot * K + ks  # [BK]
+        h_ptrs = hidden_ptr + (first_slot + j) * K + ks  # [BK]
         w_ptrs = expert_w_ptr + rows[:, None] * stride_w_row + ks[None, :]  # [BN, BK]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k_start in range(0, K, BLOCK_K):
@@ -88,7 +94,7 @@ def _slot_down_sum_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weig
             acc += w.to(tl.float32) * h
             h_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        weight = tl.load(routing_weights_ptr + slot).to(tl.float32)
+        weight = tl.sum(tl.where(js == j, slot_weights, 0.0), axis=0)
         slot_out = tl.sum(acc, axis=1) * weight
         total += slot_out.to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + token * N + rows, total.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -124,6 +130,6 @@ def slot_down_sum(hidden: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tenso
     _slot_down_sum_kernel[grid](
         hidden, w2, shared_w2, topk_ids, topk_weights, out, w2.shape[0], hidden_size,
         hidden.shape[1], w2.stride(0), w2.stride(1), TOP_K=top_k,
-        BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
+        SLOTS_PAD=triton.next_power_of_2(top_k), BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
