@@ -58,16 +58,18 @@ PREFILL_SEQS, PREFILL_LEN = 8, 1000
 HAS_FLA = importlib.util.find_spec("fla") is not None
 
 
-def fla_decode(q, k, v, g, beta, ssm_state, batch):
-    """Decode through fla's fused recurrent kernel: gather the slots, run, scatter back."""
+def fla_decode(q, k, v, a, b, A_log, dt_bias, ssm_state, batch):
+    """Decode through fla's fused recurrent kernel: the gates in torch, gather the slots, run,
+    scatter back."""
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
+    g, beta = reference.gdn_gates(a, b, A_log, dt_bias)  # [B, Hv] fp32 each
     slots = batch.recurrent_slots
     initial = torch.where(batch.has_initial_state[:, None, None, None],
                           ssm_state[slots].float(), 0.0)  # [B, Hv, dk, dv]
     out, final = fused_recurrent_gated_delta_rule(
-        q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], initial_state=initial,
-        output_final_state=True, use_qk_l2norm_in_kernel=True)
+        q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None].to(v.dtype),
+        initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True)
     ssm_state.index_copy_(0, slots, final.to(ssm_state.dtype))
     return out[:, 0]
 
@@ -97,7 +99,7 @@ def case_args(kind: str, batch) -> tuple[tuple, int]:
             2 * _nbytes(x.conv_state[slots]) + 2 * _nbytes(x.x) + _nbytes(x.weight))
     x = gdn_inputs(batch, GEOMETRY, NUM_SLOTS, DTYPE, SSM_DTYPE,
                    contiguous_state=KEY_MAJOR_STATE)
-    return x.args(), (2 * _nbytes(x.ssm_state[slots]) + _nbytes(x.q, x.k, x.g, x.beta)
+    return x.args(), (2 * _nbytes(x.ssm_state[slots]) + _nbytes(x.q, x.k, x.a, x.b)
                       + 2 * _nbytes(x.v))
 
 
@@ -154,9 +156,8 @@ def sweep(kind: str, batch_sizes: list[int]) -> None:
         batch = decode_batch(batch_size)
         args, nbytes = case_args(kind, batch)
         if kind == "gdn_decode":
-            q, k, v, g, beta, ssm_state = args[:6]
-            run = functools.partial(gated_delta_rule, q, k, v, g, beta, ssm_state,
-                                    batch.recurrent_slots, batch.has_initial_state)
+            run = functools.partial(gated_delta_rule, *args[:8], batch.recurrent_slots,
+                                    batch.has_initial_state)
             blocks, block_arg, state_dtype = (16, 32, 64, 128), "block_v", SSM_DTYPE
         else:
             x, weight, conv_state = args[:3]

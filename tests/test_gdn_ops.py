@@ -35,15 +35,30 @@ def make_batch(query_lens, slots, has_state, is_prefill=True) -> ForwardBatch:
         query_lens_host=list(query_lens), max_query_len=max(query_lens))
 
 
+A_LOG = torch.linspace(-1.0, 0.5, HV)  # per-head decay rates: model-like decays
+DT_BIAS = torch.full((HV,), 1.0)
+
+
 def gdn_inputs(t: int, gen: torch.Generator, dtype=torch.float32):
-    """Raw layer-side inputs: q, k [t, HK, DK] (un-normalised), v [t, HV, DV], g, beta [t, HV]."""
+    """Raw layer-side inputs: q, k [t, HK, DK] (un-normalised), v [t, HV, DV], the gate inputs
+    a, b [t, HV]."""
     q = torch.randn(t, HK, DK, generator=gen).to(dtype)
     k = torch.randn(t, HK, DK, generator=gen).to(dtype)
     v = torch.randn(t, HV, DV, generator=gen).to(dtype)
-    a = torch.randn(t, HV, generator=gen)
-    g = -torch.rand(HV, generator=gen).exp() * F.softplus(a + 1.0)  # model-like decays, < 0
-    beta = torch.rand(t, HV, generator=gen).to(dtype)
-    return q, k, v, g, beta
+    a = torch.randn(t, HV, generator=gen).to(dtype)
+    b = torch.randn(t, HV, generator=gen).to(dtype)
+    return q, k, v, a, b
+
+
+def op_args(inputs: tuple) -> tuple:
+    """``gdn_inputs`` as the ops take them: with the layer's ``A_log`` and ``dt_bias``."""
+    return (*inputs, A_LOG, DT_BIAS)
+
+
+def rule_args(inputs: tuple) -> tuple:
+    """``gdn_inputs`` as the recurrences take them: ``q, k, v`` and the gates ``g, beta``."""
+    q, k, v, a, b = inputs
+    return (q, k, v, *gdn.gdn_gates(a, b, A_LOG, DT_BIAS))
 
 
 def random_ssm_state(gen):
@@ -59,7 +74,7 @@ LENGTHS = [1, 5, 63, 64, 65, 130, 200]
 @pytest.mark.parametrize("length", LENGTHS, ids=[f"len{n}" for n in LENGTHS])
 def test_chunked_equals_recurrent(length, with_state):
     gen = torch.Generator().manual_seed(length)
-    q, k, v, g, beta = gdn_inputs(length, gen)
+    q, k, v, g, beta = rule_args(gdn_inputs(length, gen))
     q, k = gdn.prepare_qk(q, k, HV)
     state = torch.randn(HV, DK, DV, generator=gen) if with_state else torch.zeros(HV, DK, DV)
     o_rec, s_rec = gdn.recurrent_gated_delta_rule(q, k, v, g, beta, state)
@@ -71,7 +86,7 @@ def test_chunked_equals_recurrent(length, with_state):
 @pytest.mark.parametrize("chunk_size", [16, 64], ids=["chunk16", "chunk64"])
 def test_chunk_size_does_not_change_result(chunk_size):
     gen = torch.Generator().manual_seed(0)
-    q, k, v, g, beta = gdn_inputs(100, gen)
+    q, k, v, g, beta = rule_args(gdn_inputs(100, gen))
     q, k = gdn.prepare_qk(q, k, HV)
     state = torch.randn(HV, DK, DV, generator=gen)
     o_rec, s_rec = gdn.recurrent_gated_delta_rule(q, k, v, g, beta, state)
@@ -92,13 +107,14 @@ def test_prefill_varlen_then_decode_equals_per_sequence_recurrence(has_state):
     ssm_state = random_ssm_state(gen)
     before = ssm_state.clone()
     batch = make_batch(lens, slots, list(has_state))
-    q, k, v, g, beta = gdn_inputs(sum(lens), gen)
-    out = gdn.gdn_prefill(q, k, v, g, beta, ssm_state, batch)
+    inputs = gdn_inputs(sum(lens), gen)
+    q, k, v, g, beta = rule_args(inputs)
+    out = gdn.gdn_prefill(*op_args(inputs), ssm_state, batch)
     assert out.shape == (sum(lens), HV, DV)
 
     steps = [gdn_inputs(len(lens), gen) for _ in range(3)]
     decode_batch = make_batch([1] * len(lens), slots, [True] * len(lens), is_prefill=False)
-    decode_out = [gdn.gdn_decode(*step, ssm_state, decode_batch) for step in steps]
+    decode_out = [gdn.gdn_decode(*op_args(step), ssm_state, decode_batch) for step in steps]
 
     start = 0
     for i, (n, slot) in enumerate(zip(lens, slots)):
@@ -109,7 +125,7 @@ def test_prefill_varlen_then_decode_equals_per_sequence_recurrence(has_state):
         ref, state = gdn.recurrent_gated_delta_rule(qq, kk, v[rows], g[rows], beta[rows], state)
         torch.testing.assert_close(out[rows], ref, atol=ATOL, rtol=1e-5)
         for step, o in zip(steps, decode_out):
-            sq, sk, sv, sg, sb = (x[i:i + 1] for x in step)
+            sq, sk, sv, sg, sb = (x[i:i + 1] for x in rule_args(step))
             sq, sk = gdn.prepare_qk(sq, sk, HV)
             ref, state = gdn.recurrent_gated_delta_rule(sq, sk, sv, sg, sb, state)
             torch.testing.assert_close(o[i:i + 1], ref, atol=ATOL, rtol=1e-5)
@@ -121,12 +137,12 @@ def test_prefill_varlen_then_decode_equals_per_sequence_recurrence(has_state):
 def test_split_prefill_equals_one_prefill():
     """A prompt prefilled in two pieces (chunked prefill) equals one prefill of the whole."""
     gen = torch.Generator().manual_seed(2)
-    q, k, v, g, beta = gdn_inputs(150, gen)
+    inputs = gdn_inputs(150, gen)
     whole_state, split_state = random_ssm_state(gen), torch.zeros(NUM_SLOTS + 1, HV, DK, DV)
-    whole = gdn.gdn_prefill(q, k, v, g, beta, whole_state, make_batch([150], [3], [False]))
-    first = gdn.gdn_prefill(*(x[:90] for x in (q, k, v, g, beta)), split_state,
+    whole = gdn.gdn_prefill(*op_args(inputs), whole_state, make_batch([150], [3], [False]))
+    first = gdn.gdn_prefill(*op_args(tuple(x[:90] for x in inputs)), split_state,
                             make_batch([90], [3], [False]))
-    second = gdn.gdn_prefill(*(x[90:] for x in (q, k, v, g, beta)), split_state,
+    second = gdn.gdn_prefill(*op_args(tuple(x[90:] for x in inputs)), split_state,
                              make_batch([60], [3], [True]))
     torch.testing.assert_close(torch.cat([first, second]), whole, atol=ATOL, rtol=1e-5)
     torch.testing.assert_close(split_state[3], whole_state[3], atol=ATOL, rtol=1e-5)
@@ -137,16 +153,17 @@ def test_decode_without_initial_state_ignores_stale_slot():
     step = gdn_inputs(2, gen)
     stale, clean = random_ssm_state(gen), torch.zeros(NUM_SLOTS + 1, HV, DK, DV)
     batch = make_batch([1, 1], [1, 5], [False, False], is_prefill=False)
-    torch.testing.assert_close(gdn.gdn_decode(*step, stale, batch),
-                               gdn.gdn_decode(*step, clean, batch), atol=0, rtol=0)
+    torch.testing.assert_close(gdn.gdn_decode(*op_args(step), stale, batch),
+                               gdn.gdn_decode(*op_args(step), clean, batch), atol=0, rtol=0)
     torch.testing.assert_close(stale[[1, 5]], clean[[1, 5]], atol=0, rtol=0)
 
 
 def test_bf16_inputs_keep_fp32_state():
     gen = torch.Generator().manual_seed(4)
-    q, k, v, g, beta = gdn_inputs(80, gen, dtype=torch.bfloat16)
+    inputs = gdn_inputs(80, gen, dtype=torch.bfloat16)
+    q, k, v, g, beta = rule_args(inputs)
     ssm_state = torch.zeros(NUM_SLOTS + 1, HV, DK, DV)
-    out = gdn.gdn_prefill(q, k, v, g, beta, ssm_state, make_batch([80], [0], [False]))
+    out = gdn.gdn_prefill(*op_args(inputs), ssm_state, make_batch([80], [0], [False]))
     assert out.dtype == torch.bfloat16 and ssm_state.dtype == torch.float32
     qq, kk = gdn.prepare_qk(q, k, HV)
     ref, state = gdn.recurrent_gated_delta_rule(qq, kk, v.float(), g, beta.float(),
@@ -162,10 +179,12 @@ def test_bf16_inputs_keep_fp32_state():
 def test_prefill_matches_transformers_chunk_rule(length, with_state):
     qwen = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
     gen = torch.Generator().manual_seed(5)
-    q, k, v, g, beta = gdn_inputs(length, gen)
+    inputs = gdn_inputs(length, gen)
+    q, k, v, g, beta = rule_args(inputs)
     ssm_state = random_ssm_state(gen)
     init = ssm_state[2].clone()
-    out = gdn.gdn_prefill(q, k, v, g, beta, ssm_state, make_batch([length], [2], [with_state]))
+    out = gdn.gdn_prefill(*op_args(inputs), ssm_state,
+                          make_batch([length], [2], [with_state]))
     ref, ref_state = qwen.torch_chunk_gated_delta_rule(
         q[None], k[None], v[None], g=g[None], beta=beta[None],
         initial_state=init[None] if with_state else None, output_final_state=True,
@@ -177,10 +196,11 @@ def test_prefill_matches_transformers_chunk_rule(length, with_state):
 def test_decode_matches_transformers_recurrent_rule():
     qwen = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
     gen = torch.Generator().manual_seed(6)
-    q, k, v, g, beta = gdn_inputs(3, gen)  # 3 sequences, one token each
+    inputs = gdn_inputs(3, gen)  # 3 sequences, one token each
+    q, k, v, g, beta = rule_args(inputs)
     ssm_state = random_ssm_state(gen)
     init = ssm_state[[0, 3, 6]].clone()
-    out = gdn.gdn_decode(q, k, v, g, beta, ssm_state,
+    out = gdn.gdn_decode(*op_args(inputs), ssm_state,
                          make_batch([1, 1, 1], [0, 3, 6], [True] * 3, is_prefill=False))
     ref, ref_state = qwen.torch_recurrent_gated_delta_rule(
         q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None],

@@ -196,10 +196,10 @@ def opcheck_ops(device: str, dtype: torch.dtype, with_fla: bool) -> None:
         x = gdn_inputs(prefill, geometry, TINY_SLOTS, dtype, torch.float32)
         b = x.batch
         host_lens = (b.query_lens_host,) if op is ops.fla_chunk_prefill else ()
-        torch.library.opcheck(op, (*x.args()[:6], b.query_start_loc, *host_lens,
+        torch.library.opcheck(op, (*x.args()[:8], b.query_start_loc, *host_lens,
                                    b.recurrent_slots, b.has_initial_state))
     x = gdn_inputs(decode, geometry, TINY_SLOTS, dtype, torch.float32)
-    torch.library.opcheck(ops.recurrent_decode, (*x.args()[:6], decode.recurrent_slots,
+    torch.library.opcheck(ops.recurrent_decode, (*x.args()[:8], decode.recurrent_slots,
                                                  decode.has_initial_state))
 
 
@@ -250,8 +250,8 @@ def test_gdn_decode_parity(geometry, batch, state_dtype, contiguous_state):
 
 
 def _decode_step(qkv: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
-                 g: torch.Tensor, beta: torch.Tensor, ssm_state: torch.Tensor,
-                 batch: ForwardBatch, kernels=ops) -> torch.Tensor:
+                 a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                 ssm_state: torch.Tensor, batch: ForwardBatch, kernels=ops) -> torch.Tensor:
     """The GDN layer's decode path from the conv input to the recurrence output
     (``qllm_qwen3_5.deltanet``), through ``kernels`` (``ops`` or the reference)."""
     hv, dk, dv = ssm_state.shape[1:]
@@ -259,7 +259,8 @@ def _decode_step(qkv: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tens
     x = kernels.causal_conv1d_update(qkv, weight, conv_state, batch)  # [B, C]
     q, k, v = x.split([hk * dk, hk * dk, hv * dv], dim=-1)
     return kernels.gdn_decode(q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)),
-                              v.unflatten(-1, (hv, dv)), g, beta, ssm_state, batch)
+                              v.unflatten(-1, (hv, dv)), a, b, A_log, dt_bias, ssm_state,
+                              batch)
 
 
 def _decode_step_inputs(geometry: GDNGeometry, num_seqs: int, num_padding: int,
@@ -268,13 +269,14 @@ def _decode_step_inputs(geometry: GDNGeometry, num_seqs: int, num_padding: int,
                          device=device, seed=num_seqs)
     conv = conv_inputs(batch, geometry, num_slots, dtype, dtype)
     gdn = gdn_inputs(batch, geometry, num_slots, dtype, torch.float32)
-    return [conv.x, conv.weight, conv.conv_state, gdn.g, gdn.beta, gdn.ssm_state, batch]
+    return [conv.x, conv.weight, conv.conv_state, gdn.a, gdn.b, gdn.A_log, gdn.dt_bias,
+            gdn.ssm_state, batch]
 
 
 def check_compiled_decode_step(args: list, **compile_options) -> None:
     """The compiled decode path (conv update, split, recurrence) gives the eager kernels' output
     and states bit for bit, over warm-up, recording and replay calls."""
-    conv_state, ssm_state = args[2], args[5]
+    conv_state, ssm_state = args[2], args[7]
     for state in (conv_state, ssm_state):  # as the engine's cache pools: graphs update in place
         torch._dynamo.mark_static_address(state)
     conv0, ssm0 = conv_state.clone(), ssm_state.clone()
@@ -295,7 +297,7 @@ def test_decode_cuda_graph_replay():
     """Conv update + recurrence captured once, replayed after inputs, slots and state flags
     change in place."""
     args = _decode_step_inputs(QWEN3_5_35B_A3B, 64, 8, torch.bfloat16, GPU_SLOTS, "cuda")
-    x, _, conv_state, g, beta, ssm_state, batch = args
+    x, weight, conv_state, a, b, A_log, dt_bias, ssm_state, batch = args
     _decode_step(*args)  # compile the kernels before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -307,11 +309,12 @@ def test_decode_cuda_graph_replay():
         batch.recurrent_slots.copy_(moved.recurrent_slots)
         batch.has_initial_state.copy_(moved.has_initial_state)
         x.normal_()
-        g.uniform_(-1.0, 0.0)  # log decays
-        beta.uniform_(0.0, 1.0)
+        a.normal_()
+        b.normal_()
         conv_before, ssm_before = conv_state.clone(), ssm_state.clone()
         ref_conv, ref_ssm = conv_state.clone(), ssm_state.clone()
-        ref = _decode_step(x, args[1], ref_conv, g, beta, ref_ssm, batch, reference)
+        ref = _decode_step(x, weight, ref_conv, a, b, A_log, dt_bias, ref_ssm, batch,
+                           reference)
         graph.replay()
         tol = TOLERANCE[torch.bfloat16]
         _assert_close(out[:64], ref[:64], tol)
@@ -454,6 +457,22 @@ def test_interpreted_gdn_prefill(geometry, lens, has_state, state_dtype, contigu
 def test_interpreted_gdn_decode(geometry, batch, state_dtype, contiguous_state):
     check_gdn_decode(geometry, *batch, torch.float32, state_dtype, TINY_SLOTS, "cpu",
                      contiguous_state)
+
+
+@interpreted
+def test_interpreted_gates_at_the_extremes():
+    """The kernel's gates against ``gdn_gates`` where softplus switches to the identity
+    (``a + dt_bias`` above 20: no decay left) and far below 0 (almost no decay)."""
+    geometry = TINY_GEOMETRIES["gqa2-dk16-dv8"]
+    batch = random_batch([1] * 4, TINY_SLOTS, True)
+    x = gdn_inputs(batch, geometry, TINY_SLOTS, torch.float32, torch.float32)
+    x.a.copy_(torch.tensor([25.0, 19.5, -30.0, 0.0])[:, None].expand_as(x.a))
+    x.b.mul_(20.0)  # beta saturating at 0 and 1
+    ref_state = x.ssm_state.clone()
+    ref = reference.gdn_decode(*dataclasses.replace(x, ssm_state=ref_state).args())
+    out = ops.gdn_decode(*x.args())
+    _assert_close(out, ref, TOLERANCE[torch.float32])
+    _assert_close(x.ssm_state, ref_state, TOLERANCE[torch.float32])
 
 
 @interpreted

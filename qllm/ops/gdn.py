@@ -11,12 +11,15 @@ Four ops, registered in ``qllm.builtins`` under these names:
 Split of work between the model layer and these ops (matching transformers'
 ``Qwen3_5GatedDeltaNet`` with ``use_qk_l2norm_in_kernel=True``, and fla's kernel API):
 
-- the **layer** projects, runs the conv op, splits ``q, k [T, Hk, dk]`` and ``v [T, Hv, dv]``
-  (raw, *not* normalised, *not* expanded), and computes in fp32
-  ``beta = sigmoid(b)`` and ``g = -exp(A_log) * softplus(a + dt_bias)``, both ``[T, Hv]``;
-- the **gdn ops** L2-normalise q and k in fp32 (``x * rsqrt(sum(x^2) + 1e-6)``), expand the
-  ``Hk`` key heads to ``Hv`` with ``repeat_interleave`` (consecutive value heads share a key
-  head), scale q by ``dk ** -0.5``, and run the recurrence in fp32.
+- the **layer** projects, runs the conv op, and splits ``q, k [T, Hk, dk]`` and
+  ``v [T, Hv, dv]`` (raw, *not* normalised, *not* expanded) and the gate columns ``a, b
+  [T, Hv]`` of its input projection;
+- the **gdn ops** take those with the layer's per-head ``A_log, dt_bias [Hv]`` and compute the
+  gates in fp32 (``gdn_gates``: ``g = -exp(A_log) * softplus(a + dt_bias)``, the log decay, and
+  ``beta = sigmoid(b)``), so a kernel can fuse them; they L2-normalise q and k in fp32
+  (``x * rsqrt(sum(x^2) + 1e-6)``), expand the ``Hk`` key heads to ``Hv`` with
+  ``repeat_interleave`` (consecutive value heads share a key head), scale q by ``dk ** -0.5``,
+  and run the recurrence in fp32.
 
 State layout, per linear-attention layer: ``conv_state [S + 1, C, K - 1]`` (``C`` = conv_dim;
 any strides: the models store it taps-outer, channel stride 1) and ``ssm_state
@@ -89,6 +92,14 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     """``x * rsqrt(sum(x^2) + eps)`` over the last dim (fla's / transformers' form)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a, b [T, Hv]`` and per-head ``A_log, dt_bias [Hv]`` -> ``(g, beta)``, both ``[T, Hv]``
+    fp32: ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, b.float().sigmoid()
 
 
 def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int
@@ -171,18 +182,20 @@ def _initial_states(ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tenso
     return torch.where(batch.has_initial_state[:, None, None, None], state, 0.0)
 
 
-def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor, ssm_state: torch.Tensor, batch: ForwardBatch
-                ) -> torch.Tensor:
+def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """Chunked gated delta rule over packed variable-length sequences.
 
-    ``q, k [T, Hk, dk]`` raw (normalised, expanded and scaled here), ``v [T, Hv, dv]``,
-    ``g, beta [T, Hv]``. Starts each sequence from its slot of ``ssm_state [S+1, Hv, dk, dv]``
-    and writes the final state back. Returns ``o [T, Hv, dv]`` in ``v.dtype``. Eager only.
+    ``q, k [T, Hk, dk]`` raw (normalised, expanded and scaled here), ``v [T, Hv, dv]``, gate
+    inputs ``a, b [T, Hv]`` with ``A_log, dt_bias [Hv]`` (see ``gdn_gates``). Starts each
+    sequence from its slot of ``ssm_state [S+1, Hv, dk, dv]`` and writes the final state back.
+    Returns ``o [T, Hv, dv]`` in ``v.dtype``. Eager only.
     """
     out_dtype = v.dtype
     q, k = prepare_qk(q, k, v.shape[1])  # [T, Hv, dk] fp32
-    v, g, beta = v.float(), g.float(), beta.float()
+    g, beta = gdn_gates(a, b, A_log, dt_bias)  # [T, Hv] each
+    v = v.float()
     states = _initial_states(ssm_state, batch)  # [B, Hv, dk, dv]
     out = torch.empty_like(v)  # [T, Hv, dv]
     starts = batch.query_start_loc.tolist()
@@ -194,15 +207,17 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     return out.to(out_dtype)
 
 
-def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor, ssm_state: torch.Tensor, batch: ForwardBatch
-               ) -> torch.Tensor:
-    """One recurrent step per sequence: ``q, k [B, Hk, dk]`` raw, ``v [B, Hv, dv]``,
-    ``g, beta [B, Hv]``; updates ``ssm_state[batch.recurrent_slots]`` in place.
-    Tensor-only (no host sync), CUDA-graph capturable. Returns ``o [B, Hv, dv]``."""
+def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+               b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+               ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """One recurrent step per sequence: ``q, k [B, Hk, dk]`` raw, ``v [B, Hv, dv]``, gate
+    inputs ``a, b [B, Hv]`` with ``A_log, dt_bias [Hv]``; updates
+    ``ssm_state[batch.recurrent_slots]`` in place. Tensor-only (no host sync), CUDA-graph
+    capturable. Returns ``o [B, Hv, dv]``."""
     out_dtype = v.dtype
     q, k = prepare_qk(q, k, v.shape[1])  # [B, Hv, dk] fp32
-    v, g, beta = v.float(), g.float(), beta.float()
+    g, beta = gdn_gates(a, b, A_log, dt_bias)  # [B, Hv] each
+    v = v.float()
     state = _initial_states(ssm_state, batch) * g.exp()[:, :, None, None]  # [B, Hv, dk, dv]
     kv_mem = torch.einsum("bhkv,bhk->bhv", state, k)  # [B, Hv, dv]
     delta = (v - kv_mem) * beta[:, :, None]

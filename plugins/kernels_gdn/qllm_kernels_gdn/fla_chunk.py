@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from qllm.ops.gdn import gdn_gates
+
 CHUNK_SIZE = 64  # tokens per chunk of fla's gated delta rule (its default)
 
 
@@ -31,22 +33,25 @@ def chunk_indices(query_lens: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2).to(device, non_blocking=True)
 
 
-def chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                  beta: torch.Tensor, ssm_state: torch.Tensor, cu_seqlens: torch.Tensor,
-                  query_lens: list[int], slots: torch.Tensor, has_state: torch.Tensor
-                  ) -> torch.Tensor:
-    """``q, k [T, Hk, dk]`` raw, ``v [T, Hv, dv]``, ``g, beta [T, Hv]``, sequences split at
+def chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                  b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                  ssm_state: torch.Tensor, cu_seqlens: torch.Tensor, query_lens: list[int],
+                  slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+    """``q, k [T, Hk, dk]`` raw, ``v [T, Hv, dv]``, gate inputs ``a, b [T, Hv]`` with
+    ``A_log, dt_bias [Hv]`` (the gates computed by ``qllm.ops.gdn.gdn_gates``; fla takes them
+    ready), sequences split at
     ``cu_seqlens [B + 1]`` (their lengths ``query_lens`` on the host); ``ssm_state
     [S + 1, Hv, dk, dv]`` read and written at ``slots [B]``. Returns ``o [T, Hv, dv]`` in
     ``v.dtype``."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+    g, beta = gdn_gates(a, b, A_log, dt_bias)  # [T, Hv] fp32 each
     initial = torch.where(has_state[:, None, None, None], ssm_state[slots].float(), 0.0)
     # fla memoises index tensors derived from cu_seqlens by object identity: a fresh tensor per
     # call keeps a caller's in-place reuse of query_start_loc from hitting a stale entry.
     cu_seqlens = cu_seqlens.to(torch.int64, copy=True)
     out, final = chunk_gated_delta_rule(
-        q[None], k[None], v[None], g[None].float(), beta[None], initial_state=initial,
+        q[None], k[None], v[None], g[None], beta[None].to(v.dtype), initial_state=initial,
         output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices(query_lens, q.device), chunk_size=CHUNK_SIZE)
     ssm_state.index_copy_(0, slots, final.to(ssm_state.dtype))  # final: [B, Hv, dk, dv] fp32

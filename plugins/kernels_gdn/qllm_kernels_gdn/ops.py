@@ -48,54 +48,58 @@ def _conv1d_prefill_fake(x, weight, conv_state, cu_seqlens, slots, has_state, ma
 # ----------------------------------------------------------------------------- gated delta rule
 
 @torch.library.custom_op("qllm_gdn::recurrent_decode", mutates_args=("ssm_state",))
-def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor,
+def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                     b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                     ssm_state: torch.Tensor, slots: torch.Tensor,
                      has_state: torch.Tensor) -> torch.Tensor:
-    """One recurrent step per sequence, ``v [B, Hv, dv]`` -> ``o [B, Hv, dv]``; updates the
-    slots in place."""
+    """One recurrent step per sequence, ``v [B, Hv, dv]`` -> ``o [B, Hv, dv]``, the gates
+    computed in the kernel; updates the slots in place."""
     from qllm_kernels_gdn.triton_recurrent import gated_delta_rule
 
-    return gated_delta_rule(q, k, v, g, beta, ssm_state, slots, has_state)
+    return gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state)
 
 
 @recurrent_decode.register_fake
-def _recurrent_decode_fake(q, k, v, g, beta, ssm_state, slots, has_state):
+def _recurrent_decode_fake(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state):
     return v.new_empty(v.shape)
 
 
 @torch.library.custom_op("qllm_gdn::recurrent_prefill", mutates_args=("ssm_state",))
-def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                      beta: torch.Tensor, ssm_state: torch.Tensor, cu_seqlens: torch.Tensor,
-                      slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                      b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                      ssm_state: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
+                      has_state: torch.Tensor) -> torch.Tensor:
     """Token-by-token gated delta rule over packed varlen sequences, ``v [T, Hv, dv]`` ->
-    ``o [T, Hv, dv]``; updates the slots in place."""
+    ``o [T, Hv, dv]``, the gates computed in the kernel; updates the slots in place."""
     from qllm_kernels_gdn.triton_recurrent import gated_delta_rule
 
-    return gated_delta_rule(q, k, v, g, beta, ssm_state, slots, has_state, cu_seqlens)
+    return gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state,
+                            cu_seqlens)
 
 
 @recurrent_prefill.register_fake
-def _recurrent_prefill_fake(q, k, v, g, beta, ssm_state, cu_seqlens, slots, has_state):
+def _recurrent_prefill_fake(q, k, v, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots,
+                            has_state):
     return v.new_empty(v.shape)
 
 
 @torch.library.custom_op("qllm_gdn::fla_chunk_prefill", mutates_args=("ssm_state",))
-def fla_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                      beta: torch.Tensor, ssm_state: torch.Tensor, cu_seqlens: torch.Tensor,
-                      query_lens: list[int], slots: torch.Tensor, has_state: torch.Tensor
-                      ) -> torch.Tensor:
+def fla_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                      b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                      ssm_state: torch.Tensor, cu_seqlens: torch.Tensor, query_lens: list[int],
+                      slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
     """fla's chunked gated delta rule over packed varlen sequences, ``v [T, Hv, dv]`` ->
     ``o [T, Hv, dv]``; reads and writes the slots. ``query_lens``: the sequences' lengths on
     the host (``cu_seqlens``' differences), from which the chunk index is built sync-free."""
     from qllm_kernels_gdn.fla_chunk import chunk_prefill
 
-    return chunk_prefill(q, k, v, g, beta, ssm_state, cu_seqlens, query_lens, slots,
-                         has_state)
+    return chunk_prefill(q, k, v, a, b, A_log, dt_bias, ssm_state, cu_seqlens, query_lens,
+                         slots, has_state)
 
 
 @fla_chunk_prefill.register_fake
-def _fla_chunk_prefill_fake(q, k, v, g, beta, ssm_state, cu_seqlens, query_lens, slots,
-                            has_state):
+def _fla_chunk_prefill_fake(q, k, v, a, b, A_log, dt_bias, ssm_state, cu_seqlens, query_lens,
+                            slots, has_state):
     return v.new_empty(v.shape)
 
 
@@ -114,26 +118,26 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
                           batch.has_initial_state, batch.max_query_len)
 
 
-def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor, ssm_state: torch.Tensor, batch: ForwardBatch
-               ) -> torch.Tensor:
+def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+               b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+               ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """``gdn_decode`` for qllm (see ``qllm.ops.gdn``); tensor-only, CUDA-graph capturable."""
-    return recurrent_decode(q, k, v, g, beta, ssm_state, batch.recurrent_slots,
+    return recurrent_decode(q, k, v, a, b, A_log, dt_bias, ssm_state, batch.recurrent_slots,
                             batch.has_initial_state)
 
 
-def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor, ssm_state: torch.Tensor, batch: ForwardBatch
-                ) -> torch.Tensor:
+def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """``gdn_prefill`` for qllm through the recurrent Triton kernel (the fallback to fla)."""
-    return recurrent_prefill(q, k, v, g, beta, ssm_state, batch.query_start_loc,
+    return recurrent_prefill(q, k, v, a, b, A_log, dt_bias, ssm_state, batch.query_start_loc,
                              batch.recurrent_slots, batch.has_initial_state)
 
 
-def fla_gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                    beta: torch.Tensor, ssm_state: torch.Tensor, batch: ForwardBatch
-                    ) -> torch.Tensor:
+def fla_gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                    b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                    ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """``gdn_prefill`` for qllm through fla's chunked kernels; no host sync."""
-    return fla_chunk_prefill(q, k, v, g, beta, ssm_state, batch.query_start_loc,
+    return fla_chunk_prefill(q, k, v, a, b, A_log, dt_bias, ssm_state, batch.query_start_loc,
                              batch.query_lens_host, batch.recurrent_slots,
                              batch.has_initial_state)

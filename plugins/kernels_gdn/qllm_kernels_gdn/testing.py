@@ -1,13 +1,13 @@
 """Random Gated DeltaNet inputs for the parity tests and the benchmark, laid out as the model
 layer hands them to the ops (``qllm_qwen3_5.deltanet``): the conv input is a column slice of the
-fused input projection, ``q, k, v`` are views into the conv output, ``g`` is fp32."""
+fused input projection, ``q, k, v`` are views into the conv output, the gate inputs ``a, b`` are
+column slices of the projection's last columns."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from qllm.runner.batch import ForwardBatch
 
@@ -79,22 +79,25 @@ class ConvInputs:
 
 @dataclass
 class GDNInputs:
-    """``q, k [T, Hk, dk]`` and ``v [T, Hv, dv]`` raw views into one ``[T, C]`` tensor,
-    ``g [T, Hv]`` fp32 (model-like decays), ``beta [T, Hv]``, stale-filled
-    ``ssm_state [S + 1, Hv, dk, dv]`` (key stride 1, as the models store it, unless asked for
-    contiguous)."""
+    """``q, k [T, Hk, dk]`` and ``v [T, Hv, dv]`` raw views into one ``[T, C]`` tensor, gate
+    inputs ``a, b [T, Hv]`` (column slices) with the per-head ``A_log, dt_bias [Hv]`` (fp32,
+    model-like decays), stale-filled ``ssm_state [S + 1, Hv, dk, dv]`` (key stride 1, as the
+    models store it, unless asked for contiguous)."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
     ssm_state: torch.Tensor
     batch: ForwardBatch
 
     def args(self) -> tuple:
         """Positional arguments of ``gdn_prefill`` / ``gdn_decode``."""
-        return self.q, self.k, self.v, self.g, self.beta, self.ssm_state, self.batch
+        return (self.q, self.k, self.v, self.a, self.b, self.A_log, self.dt_bias,
+                self.ssm_state, self.batch)
 
 
 def conv_inputs(batch: ForwardBatch, geometry: GDNGeometry, num_slots: int,
@@ -137,13 +140,13 @@ def gdn_inputs(batch: ForwardBatch, geometry: GDNGeometry, num_slots: int,
 
     conv_out = randn(tokens, geometry.conv_dim).to(dtype)  # [T, C] = [q | k | v]
     q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    gates = randn(tokens, 2 * hv).to(dtype)  # [T, 2 Hv] = [b | a], as the projection's tail
     # g = -exp(A_log) * softplus(a + dt_bias), a ~ N(0, 1), dt_bias = -1: typical per-token
     # decays exp(g) from ~0.99 (first head) to ~0.3 (last head)
-    a_log = torch.linspace(-4.0, 1.0, hv, device=device)
-    g = -a_log.exp() * F.softplus(randn(tokens, hv) - 1.0)  # [T, Hv] fp32
     return GDNInputs(
         q=q.unflatten(-1, (hk, dk)), k=k.unflatten(-1, (hk, dk)), v=v.unflatten(-1, (hv, dv)),
-        g=g, beta=randn(tokens, hv).sigmoid().to(dtype),
+        a=gates[:, hv:], b=gates[:, :hv], A_log=torch.linspace(-4.0, 1.0, hv, device=device),
+        dt_bias=torch.full((hv,), -1.0, device=device),
         ssm_state=((0.5 * randn(num_slots + 1, hv, dk, dv)).to(state_dtype)
                    if contiguous_state else
                    (0.5 * randn(num_slots + 1, hv, dv, dk)).to(state_dtype).transpose(-1, -2)),

@@ -5,7 +5,10 @@ One program per (block of ``BV`` value dims, value head, sequence) holds its ``[
 of the state in registers in fp32 (any state strides; the models store it value-major, so the
 slice is one contiguous block) and walks the sequence's tokens in order; per token it
 L2-normalises ``q`` and ``k`` of its key head (``head // (Hv / Hk)``: consecutive value heads
-share a key head), scales ``q`` by ``dk ** -0.5``, and runs::
+share a key head), scales ``q`` by ``dk ** -0.5``, computes its head's gates from the input
+projection's ``a_t, b_t`` (``g_t = -exp(A_log) * softplus(a_t + dt_bias)``, ``beta_t =
+sigmoid(b_t)``, in fp32; softplus as ``log(1 + exp(x))``, ``x`` itself above 20 like
+``F.softplus``), and runs::
 
     S = S * exp(g_t);  delta = beta_t * (v_t - k_t^T S);  S = S + k_t (x) delta;  o_t = q_t^T S
 
@@ -24,16 +27,17 @@ import triton
 import triton.language as tl
 
 L2NORM_EPS = 1e-6
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus's: above it, softplus(x) is x
 MIN_PROGRAMS = 512  # below this many programs at BV = 32, BV = 16 fills the GPU's SMs better
 
 
 @triton.jit
 def _gated_delta_rule_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr,
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, out_ptr, state_ptr,
     cu_seqlens_ptr, slots_ptr, has_state_ptr,
     scale, eps,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-    stride_g_tok, stride_g_head, stride_beta_tok, stride_beta_head,
+    stride_a_tok, stride_a_head, stride_b_tok, stride_b_head,
     stride_out_tok, stride_out_head,
     stride_s_slot, stride_s_head, stride_s_k, stride_s_v,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -60,6 +64,8 @@ def _gated_delta_rule_kernel(
     state = (state_ptr + slot * stride_s_slot + head * stride_s_head
              + dims_k[:, None] * stride_s_k + dims_v[None, :] * stride_s_v)  # [BK, BV]
     h = tl.load(state, mask=mask_s & has_state, other=0.0).to(tl.float32)  # [BK, BV]
+    decay_rate = tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
 
     for t in range(bos, eos):
         q = tl.load(q_ptr + t * stride_q_tok + key_head * stride_q_head + dims_k, mask=mask_k,
@@ -68,8 +74,11 @@ def _gated_delta_rule_kernel(
                     other=0.0).to(tl.float32)  # [BK]
         v = tl.load(v_ptr + t * stride_v_tok + head * stride_v_head + dims_v, mask=mask_v,
                     other=0.0).to(tl.float32)  # [BV]
-        decay = tl.exp(tl.load(g_ptr + t * stride_g_tok + head * stride_g_head).to(tl.float32))
-        beta = tl.load(beta_ptr + t * stride_beta_tok + head * stride_beta_head).to(tl.float32)
+        a = tl.load(a_ptr + t * stride_a_tok + head * stride_a_head).to(tl.float32)
+        shifted = a + dt_bias
+        softplus = tl.where(shifted > SOFTPLUS_THRESHOLD, shifted, tl.log(1.0 + tl.exp(shifted)))
+        decay = tl.exp(-decay_rate * softplus)  # exp(g)
+        beta = tl.sigmoid(tl.load(b_ptr + t * stride_b_tok + head * stride_b_head).to(tl.float32))
         q = q * (tl.rsqrt(tl.sum(q * q, 0) + eps) * scale)
         k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
 
@@ -110,13 +119,14 @@ def _launch_config(num_seqs: int, num_heads: int, dv: int, state: torch.Tensor
     return min(block_v, triton.next_power_of_2(dv)), num_warps
 
 
-def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor,
-                     has_state: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                     block_v: int | None = None, num_warps: int | None = None
-                     ) -> torch.Tensor:
-    """``q, k [T, Hk, dk]`` raw, ``v [T, Hv, dv]``, ``g, beta [T, Hv]``; ``ssm_state
-    [S + 1, Hv, dk, dv]`` updated in place at ``slots [B]``. Without ``cu_seqlens`` (decode)
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                     b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                     ssm_state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
+                     cu_seqlens: torch.Tensor | None = None, block_v: int | None = None,
+                     num_warps: int | None = None) -> torch.Tensor:
+    """``q, k [T, Hk, dk]`` raw, ``v [T, Hv, dv]``, gate inputs ``a, b [T, Hv]`` with
+    ``A_log, dt_bias [Hv]``; ``ssm_state [S + 1, Hv, dk, dv]`` updated in place at
+    ``slots [B]``. Without ``cu_seqlens`` (decode)
     ``T == B`` and token ``i`` belongs to sequence ``i``; with it, sequence ``i`` owns tokens
     ``cu_seqlens[i]:cu_seqlens[i + 1]``. Returns ``o [T, Hv, dv]`` in ``v.dtype``.
     ``block_v`` and ``num_warps`` override the launch configuration (for tuning)."""
@@ -128,12 +138,13 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     default_block_v, default_warps = _launch_config(num_seqs, num_v_heads, dv, ssm_state)
     block_v, num_warps = block_v or default_block_v, num_warps or default_warps
     grid = (triton.cdiv(dv, block_v), num_v_heads, num_seqs)
+    A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()  # [Hv], read at the head
     _gated_delta_rule_kernel[grid](
-        q, k, v, g, beta, out, ssm_state,
+        q, k, v, a, b, A_log, dt_bias, out, ssm_state,
         cu_seqlens, slots, has_state,
         dk ** -0.5, L2NORM_EPS,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1),
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
         GROUP=num_v_heads // q.shape[1], DK=dk, DV=dv,

@@ -1,16 +1,16 @@
 """The Gated DeltaNet layer (``linear_attn.*``): linear attention with a carried recurrent state.
 
 Per step: one fused input projection -> causal depthwise conv1d + SiLU over ``[q | k | v]``
-(op ``causal_conv1d_prefill`` / ``causal_conv1d_update``) -> ``beta``/``g`` gates in fp32 ->
-gated delta rule (op ``gdn_prefill`` chunked / ``gdn_decode`` recurrent; the ops L2-normalise
-q/k, expand key heads and scale q, see ``qllm.ops.gdn``) -> gated RMSNorm with ``z`` ->
-``out_proj``. The conv and SSM states live in this layer's ``recurrent_slot`` cache.
+(op ``causal_conv1d_prefill`` / ``causal_conv1d_update``) -> gated delta rule (op
+``gdn_prefill`` chunked / ``gdn_decode`` recurrent; the ops compute the ``g``/``beta`` gates
+from ``a``/``b``, L2-normalise q/k, expand key heads and scale q, see ``qllm.ops.gdn``) ->
+gated RMSNorm with ``z`` -> ``out_proj``. The conv and SSM states live in this layer's
+``recurrent_slot`` cache.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qllm.layers.gated_norm import RMSNormGated
@@ -142,9 +142,7 @@ class GatedDeltaNet(nn.Module):
         k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))  # [T, Hk, dk]
         v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))  # [T, Hv, dv]
 
-        beta = b.sigmoid()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv]
         gdn = self._gdn_prefill if batch.is_prefill else self._gdn_decode
-        out = gdn(q, k, v, g, beta, self.ssm_state, batch)  # [T, Hv, dv]
+        out = gdn(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, batch)  # [T, Hv, dv]
         out = self.norm(out, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
         return self.out_proj(out.flatten(-2))
