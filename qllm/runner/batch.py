@@ -34,6 +34,9 @@ class ForwardBatch:
     seq_lens_host: list[int] | None = None
     max_query_len: int = 1
     max_seq_len: int = 0
+    # the one device buffer that the tensors above (and the step's token ids and positions)
+    # view, copied in once (``qllm.runner.staging``); None for a batch built another way
+    staged: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -1,24 +1,20 @@
 """Decode through CUDA graphs: one graph per padded batch-size bucket, captured at start-up.
 
-Each captured step reads its inputs from static buffers (the largest bucket's, sliced per
-bucket) and writes logits to a static output, so a replay is: copy the step's inputs in,
-replay, read the logits. Cache storage has fixed addresses, so the graph writes K/V and
-recurrent state in place.
+Each captured step reads its inputs from static buffers (views of one staged buffer per
+bucket, ``qllm.runner.staging``) and writes logits to a static output, so a replay is: copy
+the step's staged inputs in (one device copy), replay, read the logits. Cache storage has
+fixed addresses, so the graph writes K/V and recurrent state in place.
 """
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import functools
 
 import torch
 from tqdm.auto import tqdm
 
 from qllm.runner.batch import ForwardBatch
-
-TENSOR_FIELDS = [f.name for f in dataclasses.fields(ForwardBatch)
-                 if f.type in ("torch.Tensor", torch.Tensor)]
 
 
 class CudaGraphCapture:
@@ -41,8 +37,9 @@ class CudaGraphCapture:
 class DecodeGraphs:
     """Graphs of ``step(input_ids, positions, batch) -> logits`` for each bucket size.
 
-    ``make_inputs(size)`` returns inert padded inputs of a bucket (used for capture);
-    ``capture(fn) -> (graph, output)`` records one graph (``CudaGraphCapture`` on a GPU).
+    ``make_inputs(size)`` returns inert padded inputs of a bucket, staged in one buffer
+    (``batch.staged``; used for capture, they are the graph's static inputs); ``capture(fn) ->
+    (graph, output)`` records one graph (``CudaGraphCapture`` on a GPU).
     """
 
     def __init__(self, step, make_inputs, sizes: list[int], capture):
@@ -50,19 +47,11 @@ class DecodeGraphs:
         self.graphs: dict[int, object] = {}
         self.inputs: dict[int, tuple] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        largest = make_inputs(self.sizes[-1])
         for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing decode graphs",
                          unit="graph"):
-            inputs = self._slice(largest, size)
-            self.graphs[size], self.outputs[size] = capture(functools.partial(step, *inputs))
-            self.inputs[size] = inputs
-
-    @staticmethod
-    def _slice(inputs: tuple, size: int) -> tuple:
-        input_ids, positions, batch = inputs
-        fields = {name: getattr(batch, name)[:size + 1 if name == "query_start_loc" else size]
-                  for name in TENSOR_FIELDS}
-        return input_ids[:size], positions[:size], dataclasses.replace(batch, **fields)
+            self.inputs[size] = make_inputs(size)
+            self.graphs[size], self.outputs[size] = capture(
+                functools.partial(step, *self.inputs[size]))
 
     def bucket(self, batch_size: int) -> int | None:
         """The smallest captured size holding ``batch_size``, or None when none does."""
@@ -71,13 +60,14 @@ class DecodeGraphs:
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
                batch: ForwardBatch) -> torch.Tensor:
-        """Run the graph of the bucket ``len(input_ids)`` (inputs already padded to it)."""
-        size = input_ids.shape[0]
-        static_ids, static_positions, static_batch = self.inputs[size]
-        static_ids.copy_(input_ids)
-        static_positions.copy_(positions)
-        for name in TENSOR_FIELDS:
-            source = getattr(batch, name)
-            getattr(static_batch, name)[:source.shape[0]].copy_(source)
-        self.graphs[size].replay()
-        return self.outputs[size]
+        """Run the graph of the bucket ``len(input_ids)``. The inputs must be padded to it and
+        staged like the graph's own (``ModelRunner.prepare`` with the same block-table width),
+        so one copy of the staged buffer's head refreshes every static input."""
+        _, _, static_batch = self.inputs[input_ids.shape[0]]
+        if batch.block_tables.shape != static_batch.block_tables.shape:
+            raise ValueError(f"block tables {tuple(batch.block_tables.shape)} do not match the "
+                             f"graph's {tuple(static_batch.block_tables.shape)}")
+        static = static_batch.staged
+        static.copy_(batch.staged[:static.shape[0]])
+        self.graphs[input_ids.shape[0]].replay()
+        return self.outputs[input_ids.shape[0]]

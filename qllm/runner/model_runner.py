@@ -16,6 +16,7 @@ from qllm.layers.sampler import SamplingTensors, sample
 from qllm.model_api import CausalLM
 from qllm.runner.batch import ForwardBatch
 from qllm.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs
+from qllm.runner.staging import stage
 
 logger = logging.getLogger(__name__)
 
@@ -73,17 +74,13 @@ class ModelRunner:
             self._compile()
 
     # ----------------------------------------------------------------- batch metadata
-    def _tensor(self, values, dtype) -> torch.Tensor:
-        pinned = self.device.type == "cuda"
-        return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(self.device,
-                                                                        non_blocking=True)
-
     def prepare(self, scheduled: ScheduledBatch, pad_to: int | None = None,
                 table_width: int | None = None, previous: SampledStep | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
         """Inputs ``[T]``, positions ``[T]`` and the ``ForwardBatch`` of a step, padded with
-        inert rows up to ``pad_to`` sequences (decode only). A pending input token (sampled by
-        the ``previous`` step, not yet on the host) is taken from that step's device tokens."""
+        inert rows up to ``pad_to`` sequences (decode only), all views of one staged buffer
+        (``batch.staged``, see ``staging``). A pending input token (sampled by the ``previous``
+        step, not yet on the host) is taken from that step's device tokens."""
         input_ids, positions, slot_mapping = [], [], []
         query_start_loc, seq_lens, context_lens, logits_indices = [0], [], [], []
         pending_rows, pending_sources = [], []
@@ -124,26 +121,39 @@ class ModelRunner:
         query_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
         width = table_width or max(len(t) for t in tables) or 1
         tables = [t + [self.padding_block] * (width - len(t)) for t in tables]
+        fields = {"input_ids": (input_ids, torch.int64), "positions": (positions, torch.int64),
+                  "query_start_loc": (query_start_loc, torch.int32),
+                  "seq_lens": (seq_lens, torch.int32),
+                  "context_lens": (context_lens, torch.int32),
+                  "block_tables": (tables, torch.int32),
+                  "slot_mapping": (slot_mapping, torch.int64),
+                  "recurrent_slots": (slots, torch.int64),
+                  "has_initial_state": (has_initial_state, torch.bool),
+                  "logits_indices": (logits_indices, torch.int64)}
+        if pending_rows:  # last: a decode graph's static buffer ends before them
+            fields["pending_rows"] = (pending_rows, torch.int64)
+            fields["pending_sources"] = (pending_sources, torch.int64)
+        staged, tensors = stage(fields, self.device)
         batch = ForwardBatch(
             is_prefill=scheduled.is_prefill,
-            query_start_loc=self._tensor(query_start_loc, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            context_lens=self._tensor(context_lens, torch.int32),
-            block_tables=self._tensor(tables, torch.int32),
-            slot_mapping=self._tensor(slot_mapping, torch.int64),
-            recurrent_slots=self._tensor(slots, torch.int64),
-            has_initial_state=self._tensor(has_initial_state, torch.bool),
-            logits_indices=self._tensor(logits_indices, torch.int64),
+            query_start_loc=tensors["query_start_loc"],
+            seq_lens=tensors["seq_lens"],
+            context_lens=tensors["context_lens"],
+            block_tables=tensors["block_tables"],
+            slot_mapping=tensors["slot_mapping"],
+            recurrent_slots=tensors["recurrent_slots"],
+            has_initial_state=tensors["has_initial_state"],
+            logits_indices=tensors["logits_indices"],
             query_lens_host=query_lens if scheduled.is_prefill else None,
             seq_lens_host=seq_lens if scheduled.is_prefill else None,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            staged=staged,
         )
-        input_ids = self._tensor(input_ids, torch.int64)
+        input_ids = tensors["input_ids"]
         if pending_rows:
-            input_ids[self._tensor(pending_rows, torch.int64)] = \
-                previous.device_tokens[self._tensor(pending_sources, torch.int64)]
-        return input_ids, self._tensor(positions, torch.int64), batch
+            input_ids[tensors["pending_rows"]] = previous.device_tokens[tensors["pending_sources"]]
+        return input_ids, tensors["positions"], batch
 
     # ----------------------------------------------------------------- forward
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
