@@ -12,7 +12,8 @@
 #   Qwen3.5-35B-A3B projection shapes (JSON lines, best config per shape and row count);
 #   w1, w2, w3: throughput.py, then a decode-step profile
 #   on the same engine (W1 batch 256 x 1,100, W2 200 x 2,000, W3 1 x 512; files in $OUT);
-#   w3-autotune: W3 with Inductor's GEMM autotuning in the decode layers;
+#   w3-cublas: W3 with the projections on cuBLAS (the linear op pinned to torch), the GEMV's
+#   baseline; w3-autotune: the same with Inductor's GEMM autotuning in the decode layers;
 #   w1-peer, w2-peer, w3-peer:
 #   transformers on the same workload; w1-sync: W1 without async scheduling; w2, w3 and
 #   their profiles keep the GDN state in bf16, as vLLM's anchors do (WORKLOADS.md), and
@@ -92,9 +93,13 @@ for stage in "$@"; do
         w3) run w3 200 python3 benchmarks/throughput.py --workload w3 --max-num-seqs 1 \
                 --max-model-len 1024 --recurrent-state-dtype bfloat16 \
                 --profile-decode 1 512 --profile-out "$out" ;;
+        w3-cublas) run w3_cublas 200 python3 benchmarks/throughput.py --workload w3 \
+                       --max-num-seqs 1 --max-model-len 1024 --recurrent-state-dtype bfloat16 \
+                       --kernel linear=torch ;;
         w3-autotune) run w3_autotune 400 python3 benchmarks/throughput.py --workload w3 \
                          --max-num-seqs 1 --max-model-len 1024 --recurrent-state-dtype bfloat16 \
-                         --max-autotune-gemm --profile-decode 1 512 --profile-out "$out" ;;
+                         --kernel linear=torch --max-autotune-gemm \
+                         --profile-decode 1 512 --profile-out "$out" ;;
         w3-peer) run w3_peer 150 python3 benchmarks/throughput.py --workload w3 \
                      --engine transformers --peer-batch 1 --peer-max-tokens 64 ;;
         profile-w1) run profile_w1 150 python3 benchmarks/profile_step.py --workload w1 \

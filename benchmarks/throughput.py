@@ -27,6 +27,14 @@ import profile_step
 from workloads import commit, workload, write_config
 
 
+def kernel_pin(text: str) -> tuple[str, str]:
+    """``OP=NAME`` -> ``(op, name)``, for ``LLM(kernels=...)``."""
+    op, sep, name = text.partition("=")
+    if not sep or not op or not name:
+        raise argparse.ArgumentTypeError(f"expected OP=NAME, got {text!r}")
+    return op, name
+
+
 def run_qllm(model_dir: str, prompts, params, args) -> dict:
     from qllm import LLM, SamplingParams
 
@@ -35,7 +43,7 @@ def run_qllm(model_dir: str, prompts, params, args) -> dict:
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               enforce_eager=args.enforce_eager, async_scheduling=not args.sync_scheduling,
               recurrent_state_dtype=args.recurrent_state_dtype,
-              max_autotune_gemm=args.max_autotune_gemm)
+              max_autotune_gemm=args.max_autotune_gemm, kernels=dict(args.kernel))
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     startup = time.perf_counter() - start
     sampling = [SamplingParams(temperature=t, max_tokens=m, ignore_eos=True) for m, t in params]
@@ -162,7 +170,11 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--max-autotune-gemm", action="store_true",
-                        help="Inductor GEMM autotuning in the decode layers")
+                        help="Inductor GEMM autotuning in the decode layers (it reaches the "
+                             "projections only with --kernel linear=torch)")
+    parser.add_argument("--kernel", action="append", default=[], type=kernel_pin,
+                        metavar="OP=NAME", help="pin an op to a named implementation, e.g. "
+                                                "linear=torch (repeatable)")
     parser.add_argument("--sync-scheduling", action="store_true",
                         help="read each step's tokens before scheduling the next")
     parser.add_argument("--recurrent-state-dtype", default="float32",
@@ -196,7 +208,7 @@ def main() -> int:
     if args.engine == "qllm":
         result.update(async_scheduling=not args.sync_scheduling,
                       recurrent_state_dtype=args.recurrent_state_dtype,
-                      max_autotune_gemm=args.max_autotune_gemm)
+                      max_autotune_gemm=args.max_autotune_gemm, kernel_pins=dict(args.kernel))
     result.update(engine=args.engine, workload=args.workload, prompts=len(prompts),
                   tok_per_s=round(result["tokens"] / result["seconds"], 1),
                   peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
