@@ -12,6 +12,8 @@ sigmoid(b_t)``, in fp32; softplus as ``log(1 + exp(x))``, ``x`` itself above 20 
 
     S = S * exp(g_t);  delta = beta_t * (v_t - k_t^T S);  S = S + k_t (x) delta;  o_t = q_t^T S
 
+(computed as ``o_t = exp(g_t) q_t^T S_old + delta (k_t . q_t)``: both sums over the old state).
+
 The state is read from ``ssm_state[slots[i]]`` (zeros where ``has_state[i]`` is False) and the
 final one written back to the same place, so decode needs no gather/scatter copies and no host
 value: the launch depends on shapes only and is CUDA-graph capturable. Decode (one token per
@@ -82,10 +84,12 @@ def _gated_delta_rule_kernel(
         q = q * (tl.rsqrt(tl.sum(q * q, 0) + eps) * scale)
         k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
 
-        h = h * decay
-        delta = beta * (v - tl.sum(h * k[:, None], 0))  # [BV]
-        h = h + k[:, None] * delta[None, :]
-        o = tl.sum(h * q[:, None], 0)  # [BV]
+        # Both reductions read the state before this token, the decay applied to their sums:
+        # o = (decay S + k delta^T)^T q = decay S^T q + delta (k . q). One pass over the tile
+        # for the two sums and one for the update, with no elementwise decay of its own.
+        delta = beta * (v - decay * tl.sum(h * k[:, None], 0))  # [BV]
+        o = decay * tl.sum(h * q[:, None], 0) + delta * tl.sum(k * q, 0)  # [BV]
+        h = h * decay + k[:, None] * delta[None, :]
         tl.store(out_ptr + t * stride_out_tok + head * stride_out_head + dims_v,
                  o.to(out_ptr.dtype.element_ty), mask=mask_v)
     tl.store(state, h.to(state_ptr.dtype.element_ty), mask=mask_s)
