@@ -25,7 +25,7 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, H]`` -> fp32 logits ``[N, V]``."""
+        """``[N, H]`` -> logits ``[N, V]`` (the model's dtype)."""
         raise NotImplementedError
 
     def cache_layers(self) -> list[nn.Module]:

@@ -71,7 +71,7 @@ def assert_cache_free(llm) -> None:
 
 
 def prefill_logits(llm, prompt: list[int]) -> torch.Tensor:
-    """qllm's logits ``[T, V]`` at every position of ``prompt`` in one prefill step."""
+    """qllm's logits ``[T, V]`` (as fp32) at every position of ``prompt`` in one prefill step."""
     engine = llm.engine
     engine.cache.reset_prefix_cache()  # a cached prefix would leave only the tail to compute
     seq = Sequence(prompt, SamplingParams(temperature=0))
@@ -81,7 +81,8 @@ def prefill_logits(llm, prompt: list[int]) -> torch.Tensor:
         input_ids, positions, batch = engine.runner.prepare(
             ScheduledBatch([seq], [len(prompt)], is_prefill=True))
         with torch.inference_mode():
-            return engine.model.compute_logits(engine.model(input_ids, positions, batch))
+            hidden = engine.model(input_ids, positions, batch)
+            return engine.model.compute_logits(hidden).float()
     finally:
         engine.cache.release(seq)
 

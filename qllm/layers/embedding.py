@@ -7,7 +7,9 @@ from torch import nn
 
 
 class LMHead(nn.Module):
-    """Projects final hidden states ``[N, H]`` to fp32 logits ``[N, V]``.
+    """Projects final hidden states ``[N, H]`` to logits ``[N, V]`` in the model's dtype (the
+    sampler upcasts where it computes probabilities; a greedy argmax needs no fp32 copy, which
+    at decode batch 200 and Qwen3.5's 248k vocabulary is 200 MB written per step).
 
     With tied embeddings the model points ``weight`` at the embedding's (``tie_weights``).
     """
@@ -17,4 +19,4 @@ class LMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.weight).float()
+        return torch.nn.functional.linear(hidden, self.weight)

@@ -13,9 +13,10 @@ from qllm.config import SamplingParams
 class SamplingTensors:
     """One step's sampling settings as device tensors, one row per sampled sequence."""
 
-    temperature: torch.Tensor  # [N] fp32, 0 for greedy rows
-    top_k: torch.Tensor        # [N] int64, vocab size where disabled or larger
-    top_p: torch.Tensor        # [N] fp32
+    # None when every row is greedy (an argmax needs no settings on the device)
+    temperature: torch.Tensor | None  # [N] fp32, 0 for greedy rows
+    top_k: torch.Tensor | None        # [N] int64, vocab size where disabled or larger
+    top_p: torch.Tensor | None        # [N] fp32
     generators: list[torch.Generator | None]
     all_greedy: bool
     any_top_k: bool
@@ -29,17 +30,21 @@ class SamplingTensors:
                 device, non_blocking=True)
 
         top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
+        if all(p.greedy for p in params):
+            return cls(None, None, None, generators, all_greedy=True, any_top_k=False,
+                       any_top_p=False)
         return cls(temperature=tensor([p.temperature for p in params], torch.float32),
                    top_k=tensor(top_k, torch.int64),
                    top_p=tensor([p.top_p for p in params], torch.float32),
                    generators=generators,
-                   all_greedy=all(p.greedy for p in params),
+                   all_greedy=False,
                    any_top_k=any(k < vocab_size for k in top_k),
                    any_top_p=any(p.top_p < 1 for p in params))
 
 
 def sample(logits: torch.Tensor, settings: SamplingTensors) -> torch.Tensor:
-    """Pick one token per row of fp32 ``logits [N, V]`` -> ``[N]`` int64, without a host sync.
+    """Pick one token per row of ``logits [N, V]`` (any float dtype; probabilities in fp32)
+    -> ``[N]`` int64, without a host sync.
 
     Sampling uses the exponential race ``argmax(p / q), q ~ Exp(1)``, which draws from ``p``;
     rows with a seed draw ``q`` from their own generator, so their tokens do not depend on
@@ -49,7 +54,7 @@ def sample(logits: torch.Tensor, settings: SamplingTensors) -> torch.Tensor:
     if settings.all_greedy:
         return greedy
     temperature = torch.where(settings.temperature > 0, settings.temperature, 1.0)
-    logits = logits / temperature[:, None]
+    logits = logits.float() / temperature[:, None]
     if settings.any_top_k or settings.any_top_p:
         logits = _filter_top_k_top_p(logits, settings)
     probs = torch.softmax(logits, dim=-1)
