@@ -71,14 +71,18 @@ def test_batches_are_launched_before_the_previous_tokens_are_read(qwen3_dir, mon
     events = []
     launch, tokens = llm.engine.runner.launch, SampledStep.tokens
 
+    # the events hold the steps themselves: an id() of a freed step may be reused by a later one
     def recording_launch(batch, previous=None):
         step = launch(batch, previous)
-        events.append(("launch", id(step)))
+        events.append(("launch", step))
         return step
 
     def recording_tokens(step):
-        events.append(("read", id(step)))
+        events.append(("read", step))
         return tokens(step)
+
+    def position(kind, step):
+        return next(i for i, (k, s) in enumerate(events) if k == kind and s is step)
 
     monkeypatch.setattr(llm.engine.runner, "launch", recording_launch)
     monkeypatch.setattr(SampledStep, "tokens", recording_tokens)
@@ -86,7 +90,7 @@ def test_batches_are_launched_before_the_previous_tokens_are_read(qwen3_dir, mon
                                                           ignore_eos=True), use_tqdm=False)
     launched = [step for kind, step in events if kind == "launch"]
     for before, after in zip(launched, launched[1:]):  # N+1 is launched before N is read
-        assert events.index(("launch", after)) < events.index(("read", before))
+        assert position("launch", after) < position("read", before)
     assert [kind for kind, _ in events].count("read") == len(launched)
 
 
