@@ -5,8 +5,9 @@
 # Stages (each killed after its time limit, so one hang does not cost the call):
 #   gpu-tests: Qwen3 and Qwen3.5 model tests on CUDA; kernel-tests: kernel parity tests
 #   (moe-tests: the MoE ones alone, stopping at the first failure; quick-kernel-tests: the MoE
-#   align, parity, graph and compile cases and the GDN conv, fla, decode and compile cases,
-#   which fit a short call where the whole kernel-tests stage does not; linear-tests: the
+#   align, parity, table-entry, forced-config, graph and compile cases and the GDN conv,
+#   prefill, decode and compile cases, which fit a short call where the whole kernel-tests
+#   stage does not; linear-tests: the
 #   linear (GEMV) plugin's tests);
 #   kernels: kernel micro-benchmarks; bench-linear: the GEMV's launch-config sweep at the
 #   Qwen3.5-35B-A3B projection shapes (JSON lines, best config per shape and row count);
@@ -60,7 +61,7 @@ for stage in "$@"; do
         moe-tests) run moe_tests 200 python3 -m pytest $PYTEST_GPU -x tests/test_kernels_moe.py ;;
         quick-kernel-tests) run quick_kernel_tests 300 python3 -m pytest $PYTEST_GPU \
                                 tests/test_kernels_moe.py tests/test_kernels_gdn.py -k \
-                                "(triton_align or cuda_graph or compiled or test_parity or conv_ or (prefill_parity and fla) or gdn_decode_parity) and not interpreted" ;;
+                                "(triton_align or cuda_graph or compiled or test_parity or every_table or forced or conv_ or gdn_prefill_parity or gdn_decode_parity) and not interpreted" ;;
         attention-tests) run attention_tests 300 python3 -m pytest $PYTEST_GPU \
                              tests/test_kernels_attention.py ;;
         linear-tests) run linear_tests 300 python3 -m pytest $PYTEST_GPU \
