@@ -23,6 +23,7 @@ split over several runs with ``--tokens``. The full sweep takes the better part 
 
     python benchmarks/bench_moe.py [--impl triton torch]
     python benchmarks/bench_moe.py --tune [--grid quick] [--tokens 1 2 4 8 ... 4096]
+        [--block-m 1 16 32 64 128]
 """
 
 from __future__ import annotations
@@ -172,16 +173,21 @@ def best_gemm(run, candidates, graph: bool) -> tuple[float, GemmConfig]:
     return best
 
 
-def tune_tokens(tokens: int, grid: dict) -> tuple[MoeConfig, float]:
-    """The fastest config (sort + both GEMMs) for ``tokens`` tokens, and its time in ms."""
+BLOCK_MS = (1, 16, 32, 64, 128)  # 1: the small-batch path
+
+
+def tune_tokens(tokens: int, grid: dict, block_ms: tuple[int, ...] = BLOCK_MS
+                ) -> tuple[MoeConfig, float]:
+    """The fastest config for ``tokens`` tokens among ``block_ms`` (sort, both GEMMs and the
+    slot sum; or the small-batch path's two GEMVs), and its time in ms."""
     inputs = moe_inputs(tokens, EXPERTS, HIDDEN, INTER, TOP_K, DTYPE, "cuda")
     x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2 = inputs
     graph = tokens <= 256
     slots_per_expert = tokens * TOP_K / EXPERTS
     best = (float("inf"), None)
-    if tokens <= SLOT_PATH_TUNE_TOKENS:
+    if 1 in block_ms and tokens <= SLOT_PATH_TUNE_TOKENS:
         best = tune_slot_path(inputs)
-    for block_m in (16, 32, 64, 128):
+    for block_m in (m for m in block_ms if m > 1):
         # blocks mostly padding for every expert are not worth timing; the shared expert has a
         # slot per token, so blocks up to the token count may pay for it
         if block_m > max(16, tokens) and block_m > 2 * slots_per_expert:
@@ -206,6 +212,9 @@ def tune_tokens(tokens: int, grid: dict) -> tuple[MoeConfig, float]:
               f"+ down {down_ms:.4f} + sum {sum_ms:.4f} = {total:.4f} ms", flush=True)
         best = min(best, (total, MoeConfig(block_m, up, dn)), key=lambda pair: pair[0])
     total, config = best
+    if config is None:
+        raise ValueError(f"no BLOCK_M among {block_ms} to time at {tokens} tokens (the "
+                         f"small-batch path runs up to {SLOT_PATH_TUNE_TOKENS})")
     reference = torch_fused_moe(x.float(), w13.float(), w2.float(), topk_weights.float(),
                                 topk_ids, shared_w13.float(), shared_w2.float())
     torch.testing.assert_close(fused_moe_triton(*inputs, config=config).float(), reference,
@@ -222,13 +231,13 @@ def write_table(path: Path, meta: dict, entries: dict[int, dict]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def tune(token_counts: list[int], grid: dict) -> None:
+def tune(token_counts: list[int], grid: dict, block_ms: tuple[int, ...] = BLOCK_MS) -> None:
     path = config_path(EXPERTS, 2 * INTER, HIDDEN)
     document = json.loads(path.read_text())
     entries = {int(key): value for key, value in document.pop("configs").items()}
     device = torch.cuda.get_device_name()
     for tokens in token_counts:
-        config, ms = tune_tokens(tokens, grid)
+        config, ms = tune_tokens(tokens, grid, block_ms)
         entries[tokens] = {**config.to_json(), "tuned_on": device}
         write_table(path, document, entries)
         print(f"T={tokens}: {ms:.4f} ms with {config} -> {path.name}", flush=True)
@@ -244,9 +253,12 @@ def main() -> None:
                         help="token counts to tune (with --tune)")
     parser.add_argument("--grid", choices=sorted(GRIDS), default="full",
                         help="tile grid of the sweep (with --tune)")
+    parser.add_argument("--block-m", nargs="+", type=int, default=list(BLOCK_MS),
+                        choices=BLOCK_MS, help="BLOCK_M values to try (with --tune; 1: the "
+                        "small-batch path); each entry is the best of those tried")
     args = parser.parse_args()
     if args.tune:
-        tune(args.tokens, GRIDS[args.grid])
+        tune(args.tokens, GRIDS[args.grid], tuple(args.block_m))
         return
     rows = []
     for name, tokens in CASES.items():
