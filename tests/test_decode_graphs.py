@@ -56,3 +56,16 @@ def test_graph_replay_equals_eager(checkpoint):
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [g["token_ids"] for g in got] == [e["token_ids"] for e in expected]
     assert_cache_free(llm)
+
+
+def test_replay_refuses_inputs_staged_for_another_table_width(qwen3_dir):
+    """The replay copies the step's staged buffer over the graph's, so both must share one
+    layout; a step prepared with another block-table width is refused, not misread."""
+    llm = with_decode_graphs(LLM(qwen3_dir, block_size=16, max_num_seqs=2), [1, 2])
+    runner = llm.engine.runner
+    dummy = ScheduledBatch([], [], is_prefill=False)
+    with torch.inference_mode():
+        input_ids, positions, batch = runner.prepare(dummy, pad_to=2, table_width=1)
+        assert runner.max_blocks_per_seq != 1
+        with pytest.raises(ValueError, match="block tables"):
+            runner.graphs.replay(input_ids, positions, batch)
