@@ -65,7 +65,9 @@ def load_table(num_experts: int, n: int, k: int) -> dict[int, MoeConfig] | None:
     return {int(key): MoeConfig.from_json(entries[key]) for key in sorted(entries, key=int)}
 
 
-SLOT_PATH_MAX_TOKENS = 4  # untuned: where slots rarely share an expert, no sort pays
+# Where slots rarely share an expert, skipping the sort pays: at Qwen3.5-35B-A3B's shape on
+# the H200 the small-batch path won at 1 and 4 tokens (bench_moe.py --tune, 2026-11-30)
+SLOT_PATH_MAX_TOKENS = 4
 
 
 def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:

@@ -30,8 +30,8 @@ import triton.language as tl
 
 from qllm_kernels_moe.align import SortedSlots, moe_align
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
-from qllm_kernels_moe.triton_slot_moe import slot_down_sum, slot_gate_up
 from qllm_kernels_moe.triton_align import MAX_SLOTS, moe_align_triton
+from qllm_kernels_moe.triton_slot_moe import slot_down_sum, slot_gate_up
 
 SUM_BLOCK_N = 1024  # columns per program of the slot sum: 8 bf16 (16 bytes) per thread
 
