@@ -15,7 +15,6 @@ reference. Prints a table, then one JSON object per row.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 from triton.testing import do_bench
@@ -23,6 +22,7 @@ from triton.testing import do_bench
 from qllm.ops import attention
 from qllm_kernels_attention import ops
 from qllm_kernels_attention.testing import PagedInputs, paged_inputs
+from report import print_table
 from timing import graphed
 
 Q_HEADS, KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, torch.bfloat16
@@ -95,16 +95,10 @@ def main() -> None:
                          args.page, DTYPE, "cuda")
         rows += measure("prefill", name, x, args.impl)
 
-    header = (f"{'case':<24}{'impl':<8}{'ms':>9}{'eager_ms':>10}{'GB/s':>9}{'%peak':>7}"
-              f"{'TFLOP/s':>9}{'max_err':>9}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['case']:<24}{r['impl']:<8}{r['ms']:>9.4f}{r['eager_ms']:>10.4f}"
-              f"{r['gbps']:>9.1f}"
-              f"{r['pct_peak_bw']:>7.1f}{r['tflops']:>9.1f}{r['max_err']:>9.4f}")
-    for r in rows:
-        print(json.dumps(r))
+    print_table(rows, [("case", "case", 24, None), ("impl", "impl", 8, None),
+                       ("ms", "ms", 9, ".4f"), ("eager_ms", "eager_ms", 10, ".4f"),
+                       ("gbps", "GB/s", 9, ".1f"), ("pct_peak_bw", "%peak", 7, ".1f"),
+                       ("tflops", "TFLOP/s", 9, ".1f"), ("max_err", "max_err", 9, ".4f")])
 
 
 if __name__ == "__main__":

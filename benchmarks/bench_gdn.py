@@ -45,6 +45,7 @@ from qllm.ops import gdn as reference
 from qllm_kernels_gdn import ops
 from qllm_kernels_gdn.testing import (QWEN3_5_35B_A3B, conv_inputs, gdn_inputs, make_batch,
                                       random_batch)
+from report import print_table
 from timing import graphed
 
 GEOMETRY = QWEN3_5_35B_A3B
@@ -209,18 +210,11 @@ def main() -> None:
     for kind in ("conv_prefill", "gdn_prefill"):
         rows += measure(kind, f"prefill {PREFILL_SEQS}x{PREFILL_LEN}", batch, impls)
 
-    header = (f"{'op':<14}{'case':<18}{'impl':<8}{'ms':>9}{'eager_ms':>10}{'GB/s':>9}"
-              f"{'%peak':>7}{'Mtok/s':>9}{'max_err':>9}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        if "error" in r:
-            print(f"{r['kind']:<14}{r['case']:<18}{r['impl']:<8}  {r['error']}")
-            continue
-        print(f"{r['kind']:<14}{r['case']:<18}{r['impl']:<8}{r['ms']:>9.4f}{r['eager_ms']:>10.4f}"
-              f"{r['gbps']:>9.1f}{r['pct_peak_bw']:>7.1f}{r['mtok_s']:>9.2f}{r['max_err']:>9.4f}")
-    for r in rows:
-        print(json.dumps(r))
+    print_table(rows, [("kind", "op", 14, None), ("case", "case", 18, None),
+                       ("impl", "impl", 8, None), ("ms", "ms", 9, ".4f"),
+                       ("eager_ms", "eager_ms", 10, ".4f"), ("gbps", "GB/s", 9, ".1f"),
+                       ("pct_peak_bw", "%peak", 7, ".1f"), ("mtok_s", "Mtok/s", 9, ".2f"),
+                       ("max_err", "max_err", 9, ".4f"), ("error", "error", 0, None)])
 
 
 if __name__ == "__main__":

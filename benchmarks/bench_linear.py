@@ -34,6 +34,7 @@ from qllm_kernels_linear import ops
 from qllm_kernels_linear.configs import MAX_GEMV_ROWS, candidates, default_config
 from qllm_kernels_linear.testing import QWEN3_5_35B_A3B_SHAPES, linear_inputs
 from qllm_kernels_linear.triton_gemv import gemv
+from report import print_table
 from timing import time_ms
 
 DTYPE = torch.bfloat16
@@ -65,17 +66,10 @@ def measure(name: str, rows: int) -> list[dict]:
     return result
 
 
-def print_rows(rows: list[dict]) -> None:
-    header = (f"{'shape':<13}{'rows':>5}{'N':>7}{'K':>6}  {'impl':<8}{'us':>8}{'eager_us':>10}"
-              f"{'GB/s':>9}{'%peak':>7}{'max_err':>9}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['shape']:<13}{r['rows']:>5}{r['n']:>7}{r['k']:>6}  {r['impl']:<8}"
-              f"{r['us']:>8.2f}{r['eager_us']:>10.2f}{r['gbps']:>9.1f}{r['pct_peak_bw']:>7.1f}"
-              f"{r['max_err']:>9.4f}")
-    for r in rows:
-        print(json.dumps(r))
+COLUMNS = [("shape", "shape", 13, None), ("rows", "rows", 5, "d"), ("n", "N", 7, "d"),
+           ("k", "K", 8, "d"), ("impl", "impl", 8, None), ("us", "us", 8, ".2f"),
+           ("eager_us", "eager_us", 10, ".2f"), ("gbps", "GB/s", 9, ".1f"),
+           ("pct_peak_bw", "%peak", 7, ".1f"), ("max_err", "max_err", 9, ".4f")]
 
 
 def sweep(name: str, rows: int) -> dict:
@@ -125,8 +119,8 @@ def main() -> None:
             for name in args.shapes:
                 print(json.dumps(sweep(name, rows)), flush=True)
         return
-    print_rows([row for rows in args.rows for name in args.shapes
-                for row in measure(name, rows)])
+    print_table([row for rows in args.rows for name in args.shapes
+                 for row in measure(name, rows)], COLUMNS)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from qllm_kernels_moe.triton_align import MAX_SLOTS, moe_align_triton
 from qllm_kernels_moe.triton_moe import down, fused_moe_triton, gate_up, sum_slots
 from qllm_kernels_moe.triton_slot_moe import slot_down_sum, slot_gate_up
 from qllm_qwen3_5.moe import fused_moe as torch_fused_moe
+from report import print_table
 from timing import time_ms
 
 EXPERTS, TOP_K, HIDDEN, INTER, DTYPE = 256, 8, 2048, 512, torch.bfloat16
@@ -97,19 +98,11 @@ def measure(name: str, tokens: int, impls: list[str]) -> list[dict]:
     return rows
 
 
-def print_rows(rows: list[dict]) -> None:
-    header = (f"{'case':<16}{'impl':<8}{'ms':>9}{'eager_ms':>10}{'align_ms':>10}"
-              f"{'tr_align':>10}{'GB/s':>9}{'%peak':>7}{'TFLOP/s':>9}{'max_err':>9}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        align, triton_align = ("" if r[key] is None else f"{r[key]:.4f}"
-                               for key in ("align_ms", "triton_align_ms"))
-        print(f"{r['case']:<16}{r['impl']:<8}{r['ms']:>9.4f}{r['eager_ms']:>10.4f}{align:>10}"
-              f"{triton_align:>10}{r['gbps']:>9.1f}{r['pct_peak_bw']:>7.1f}"
-              f"{r['tflops']:>9.1f}{r['max_err']:>9.4f}")
-    for r in rows:
-        print(json.dumps(r))
+COLUMNS = [("case", "case", 16, None), ("impl", "impl", 8, None), ("ms", "ms", 9, ".4f"),
+           ("eager_ms", "eager_ms", 10, ".4f"), ("align_ms", "align_ms", 10, ".4f"),
+           ("triton_align_ms", "tr_align", 10, ".4f"), ("gbps", "GB/s", 9, ".1f"),
+           ("pct_peak_bw", "%peak", 7, ".1f"), ("tflops", "TFLOP/s", 9, ".1f"),
+           ("max_err", "max_err", 9, ".4f")]
 
 
 # ----------------------------------------------------------------------------- tuning
@@ -271,7 +264,7 @@ def main() -> None:
     rows = []
     for name, tokens in CASES.items():
         rows += measure(name, tokens, args.impl)
-    print_rows(rows)
+    print_table(rows, COLUMNS)
 
 
 if __name__ == "__main__":
