@@ -1,7 +1,7 @@
 """Micro-benchmark of the Triton fused MoE against the plain-torch reference, and its tuner.
 
 Qwen3.5-35B-A3B experts (256 routed, top-8, plus the shared expert as a ninth slot per token;
-hidden 2048, expert size 512, bf16): decode at batch 1/16/64/200/256 and a 4096-token prefill,
+hidden 2048, expert size 512, bf16): decode at batch 1/4/16/64/200/256 and a 4096-token prefill,
 routed like the model's router (top-8 of a softmax over random logits, then the shared
 expert). Times are medians of ``triton.testing.do_bench`` (L2 flushed
 between calls). Decode runs in CUDA graphs in the engine, so its ``ms`` is a graph replay

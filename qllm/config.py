@@ -85,7 +85,8 @@ class EngineConfig:
     enforce_eager: bool = False
     compile_on_cpu: bool = False
     # Inductor benchmarks Triton GEMM templates against cuBLAS for the decode layers' matmuls
-    # (longer start-up); cuBLAS's heuristics pick slow kernels at batch 1 on the H200
+    # (longer start-up). The projections are such matmuls only with the linear op pinned to
+    # torch (kernels={"linear": "torch"}); a plugin's linear op is opaque to Inductor
     max_autotune_gemm: bool = False
     cudagraph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160,
                                               192, 224, 256)

@@ -29,10 +29,10 @@ class SamplingTensors:
             return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(
                 device, non_blocking=True)
 
-        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         if all(p.greedy for p in params):
             return cls(None, None, None, generators, all_greedy=True, any_top_k=False,
                        any_top_p=False)
+        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         return cls(temperature=tensor([p.temperature for p in params], torch.float32),
                    top_k=tensor(top_k, torch.int64),
                    top_p=tensor([p.top_p for p in params], torch.float32),

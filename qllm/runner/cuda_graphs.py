@@ -63,11 +63,12 @@ class DecodeGraphs:
         """Run the graph of the bucket ``len(input_ids)``. The inputs must be padded to it and
         staged like the graph's own (``ModelRunner.prepare`` with the same block-table width),
         so one copy of the staged buffer's head refreshes every static input."""
-        _, _, static_batch = self.inputs[input_ids.shape[0]]
+        size = input_ids.shape[0]
+        _, _, static_batch = self.inputs[size]
         if batch.block_tables.shape != static_batch.block_tables.shape:
             raise ValueError(f"block tables {tuple(batch.block_tables.shape)} do not match the "
                              f"graph's {tuple(static_batch.block_tables.shape)}")
         static = static_batch.staged
         static.copy_(batch.staged[:static.shape[0]])
-        self.graphs[input_ids.shape[0]].replay()
-        return self.outputs[input_ids.shape[0]]
+        self.graphs[size].replay()
+        return self.outputs[size]

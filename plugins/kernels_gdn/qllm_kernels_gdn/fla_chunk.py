@@ -39,10 +39,9 @@ def chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Te
                   slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
     """``q, k [T, Hk, dk]`` raw, ``v [T, Hv, dv]``, gate inputs ``a, b [T, Hv]`` with
     ``A_log, dt_bias [Hv]`` (the gates computed by ``qllm.ops.gdn.gdn_gates``; fla takes them
-    ready), sequences split at
-    ``cu_seqlens [B + 1]`` (their lengths ``query_lens`` on the host); ``ssm_state
-    [S + 1, Hv, dk, dv]`` read and written at ``slots [B]``. Returns ``o [T, Hv, dv]`` in
-    ``v.dtype``."""
+    ready), sequences split at ``cu_seqlens [B + 1]`` (their lengths ``query_lens`` on the
+    host); ``ssm_state [S + 1, Hv, dk, dv]`` read and written at ``slots [B]``. Returns
+    ``o [T, Hv, dv]`` in ``v.dtype``."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     g, beta = gdn_gates(a, b, A_log, dt_bias)  # [T, Hv] fp32 each

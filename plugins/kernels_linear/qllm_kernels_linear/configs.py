@@ -47,6 +47,7 @@ def serves(rows: int, n: int, k: int) -> bool:
     ``[n, k]`` (see ``MAX_MULTI_ROW_ELEMENTS``)."""
     return rows == 1 or (1 < rows <= MAX_GEMV_ROWS and rows * n * k <= MAX_MULTI_ROW_ELEMENTS)
 
+
 MIN_PROGRAMS = 128  # about one program per SM (132 on the H200)
 ACC_REGISTERS = 64  # fp32 accumulator registers per thread
 MAX_BLOCK_N = 8
