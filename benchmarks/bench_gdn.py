@@ -159,7 +159,7 @@ def sweep(kind: str, batch_sizes: list[int]) -> None:
         if kind == "gdn_decode":
             run = functools.partial(gated_delta_rule, *args[:8], batch.recurrent_slots,
                                     batch.has_initial_state)
-            blocks, block_arg, state_dtype = (16, 32, 64, 128), "block_v", SSM_DTYPE
+            blocks, block_arg, state_dtype = (8, 16, 32, 64, 128), "block_v", SSM_DTYPE
         else:
             x, weight, conv_state = args[:3]
             run = functools.partial(conv1d_update, x, weight, conv_state,

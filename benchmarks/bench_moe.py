@@ -6,7 +6,7 @@ routed like the model's router (top-8 of a softmax over random logits, then the 
 expert). Times are medians of ``triton.testing.do_bench`` (L2 flushed
 between calls). Decode runs in CUDA graphs in the engine, so its ``ms`` is a graph replay
 (``eager_ms``: plain calls, CPU launch cost included); prefill runs eagerly. ``align_ms`` is
-the torch slot sort alone, ``tr_align`` the one-program Triton align where it applies. GB/s
+the torch slot sort alone, ``tr_align`` the one-launch Triton align where it applies. GB/s
 counts the bytes a call must move at least (the weights of every expert hit, read once, plus
 x and the per-slot output) against the H200's ~4.3 TB/s; TFLOP/s counts
 the three matmuls per routed slot. ``torch`` is the plain-torch reference (host-syncs, so
