@@ -1,20 +1,17 @@
-"""``moe_align`` for decode-sized batches as one Triton program (one launch instead of the ~12
-sort, search and scan kernels of the torch version).
+"""``moe_align`` for decode-sized batches in one launch (instead of the ~12 sort, search and
+scan kernels of the torch version), one program per expert.
 
-Each slot takes a rank within its expert from an atomic counter per expert (the counts are
-then final: their order of adds does not change a count); a cumulative sum of the counts
-rounded up to ``BLOCK_M`` places each expert's run; each slot lands at its run's start plus
-its rank, and each run's tail gets the padding sentinel ``S``. No sort and no pass over the
-whole padded list: the work is ``S`` atomics plus ``E * BLOCK_M`` sentinel stores, so one
-program serves up to ``MAX_SLOTS`` slots (decode batches of up to 512 tokens at 9 slots); larger
-(prefill) batches take the torch version.
+Every program reads all the slots' expert ids and counts them per expert (``tl.histogram``), so
+each knows every expert's count and, by a cumulative sum of the counts rounded up to
+``BLOCK_M``, where each expert's run starts. Program ``e`` then writes its own run: its slots in
+ascending order (a cumulative sum over the slots ``== e`` ranks them), its run's padding, and
+the expert id of its blocks; program 0 also writes the number of blocks in use and marks the
+later blocks as naming no expert. No atomics and no barrier: the output equals the torch
+version's on the blocks in use, slot for slot. Entries past the blocks in use are left unwritten
+(the GEMMs never read them).
 
-The output equals the torch version's on the blocks in use, except for the order of the slots
-within an expert's run, which follows the atomics (the torch version's stable sort lists them
-ascending). The grouped GEMMs compute every slot's row on its own, so the MoE output is bitwise
-the same whatever that order. Entries past the blocks in use are left unwritten: the GEMMs never
-read them. (``tl.histogram`` would count in registers, but its lowering has had bugs with
-replicated layouts, which small batches produce.)
+One program holds every slot in registers, so up to ``MAX_SLOTS`` slots (decode batches of up
+to 512 tokens at 9 slots) take this path; larger (prefill) batches take the torch version.
 """
 
 from __future__ import annotations
@@ -26,64 +23,64 @@ import triton.language as tl
 from qllm_kernels_moe.align import SortedSlots, max_padded_slots
 
 MAX_SLOTS = 512 * 9  # decode batches of up to 512 tokens at top-8 plus the shared expert
+NUM_WARPS = 4
+# Vectors at least one element per thread: tl.histogram has miscounted with replicated layouts.
+MIN_VECTOR = 32 * NUM_WARPS
 
 
 @triton.jit
-def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, num_blocks_ptr, counts_ptr,
-                  run_starts_ptr, num_slots, num_experts, padded_blocks,
-                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, S_PAD: tl.constexpr,
-                  B_PAD: tl.constexpr):
-    experts = tl.arange(0, E_PAD)  # [E]
+def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, num_blocks_ptr, num_slots,
+                  num_experts, padded_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+                  S_PAD: tl.constexpr, B_PAD: tl.constexpr):
+    expert = tl.program_id(0)
     position = tl.arange(0, S_PAD)  # [S]
     in_range = position < num_slots
+    # slots past the end count in the last bin, which no expert owns (E_PAD > num_experts)
+    ids = tl.load(ids_ptr + position, mask=in_range, other=E_PAD - 1).to(tl.int32)  # [S]
 
-    # 1. each slot's rank within its expert; the counters end as the counts
-    ids = tl.load(ids_ptr + position, mask=in_range, other=0).to(tl.int32)  # [S]
-    tl.store(counts_ptr + experts, tl.zeros([E_PAD], dtype=tl.int32))
-    tl.debug_barrier()
-    rank = tl.atomic_add(counts_ptr + ids, tl.full([S_PAD], 1, tl.int32), mask=in_range)
-    tl.debug_barrier()
-    counts = tl.load(counts_ptr + experts, volatile=True)  # [E]
-
-    # 2. padded runs: expert e owns blocks [first[e], first[e] + blocks[e])
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M  # [E]
+    # every expert's run: expert e owns blocks [first[e], first[e] + blocks[e])
+    counts = tl.histogram(ids, E_PAD)  # [E]
+    experts = tl.arange(0, E_PAD)  # [E]
+    blocks = tl.where(experts < num_experts, (counts + BLOCK_M - 1) // BLOCK_M, 0)  # [E]
     first = tl.cumsum(blocks, axis=0) - blocks  # [E]
-    total = tl.sum(blocks, axis=0)
-    tl.store(num_blocks_ptr, total.to(tl.int64))
-    tl.store(run_starts_ptr + experts, first * BLOCK_M)
-    for j in range(0, tl.max(blocks, axis=0)):
-        tl.store(block_experts_ptr + first + j, experts.to(tl.int64), mask=j < blocks)
-    unused = tl.arange(0, B_PAD)  # [B]: blocks past the used ones name no expert
-    tl.store(block_experts_ptr + unused, tl.full([B_PAD], 0, tl.int64) + num_experts,
-             mask=(unused >= total) & (unused < padded_blocks))
-    # each run's tail past its slots is padding
-    tail = first[:, None] * BLOCK_M + counts[:, None] + tl.arange(0, BLOCK_M)[None, :]  # [E, BM]
-    tl.store(slots_ptr + tail, tl.full([E_PAD, BLOCK_M], 0, tl.int64) + num_slots,
-             mask=tail < (first + blocks)[:, None] * BLOCK_M)
-    tl.debug_barrier()
+    own = experts == expert
+    run_start = tl.sum(tl.where(own, first, 0), axis=0) * BLOCK_M
+    run_blocks = tl.sum(tl.where(own, blocks, 0), axis=0)
+    count = tl.sum(tl.where(own, counts, 0), axis=0)
 
-    # 3. each slot at its run's start plus its rank
-    run_start = tl.load(run_starts_ptr + ids, mask=in_range, other=0, volatile=True)  # [S]
-    tl.store(slots_ptr + run_start + rank, position.to(tl.int64), mask=in_range)
+    # this expert's slots in ascending order, then its padding, then its blocks' expert id
+    mine = ids == expert  # [S]
+    rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1  # [S]
+    tl.store(slots_ptr + run_start + rank, position.to(tl.int64), mask=mine)
+    tail = run_start + count + tl.arange(0, BLOCK_M)  # [BM]
+    tl.store(slots_ptr + tail, tl.full([BLOCK_M], 0, tl.int64) + num_slots,
+             mask=tail < run_start + run_blocks * BLOCK_M)
+    block = tl.arange(0, B_PAD)  # [B]
+    tl.store(block_experts_ptr + run_start // BLOCK_M + block,
+             tl.full([B_PAD], 0, tl.int64) + expert, mask=block < run_blocks)
+
+    if expert == 0:  # blocks past the used ones name no expert
+        total = tl.sum(blocks, axis=0)
+        tl.store(num_blocks_ptr, total.to(tl.int64))
+        tl.store(block_experts_ptr + block, tl.full([B_PAD], 0, tl.int64) + num_experts,
+                 mask=(block >= total) & (block < padded_blocks))
 
 
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> SortedSlots:
-    """``moe_align`` (see ``qllm_kernels_moe.align``) in one launch, up to the order within
-    each expert's run (module docstring); ``topk_ids [T, k]`` with ``T * k <= MAX_SLOTS``."""
+    """``moe_align`` (see ``qllm_kernels_moe.align``) in one launch, with the same output on
+    the blocks in use; ``topk_ids [T, k]`` with ``T * k <= MAX_SLOTS``."""
     num_slots = topk_ids.numel()
     if num_slots > MAX_SLOTS:
-        raise ValueError(f"{num_slots} slots: the one-program align serves up to {MAX_SLOTS}")
+        raise ValueError(f"{num_slots} slots: the one-launch align serves up to {MAX_SLOTS}")
     padded = max_padded_slots(num_slots, num_experts, block_m)
     device = topk_ids.device
     slots = torch.empty(padded, dtype=torch.int64, device=device)
     block_experts = torch.empty(padded // block_m, dtype=torch.int64, device=device)
     num_blocks = torch.empty(1, dtype=torch.int64, device=device)
-    expert_pad = triton.next_power_of_2(num_experts)
-    counts, run_starts = torch.empty(2, expert_pad, dtype=torch.int32, device=device)  # scratch
-    slot_pad = max(triton.next_power_of_2(num_slots), 16)
-    _align_kernel[(1,)](
-        topk_ids.reshape(-1), slots, block_experts, num_blocks, counts, run_starts,
-        num_slots, num_experts, padded // block_m,
-        BLOCK_M=block_m, E_PAD=expert_pad, S_PAD=slot_pad,
-        B_PAD=triton.next_power_of_2(padded // block_m), num_warps=4 if slot_pad <= 1024 else 8)
+    _align_kernel[(num_experts,)](
+        topk_ids.reshape(-1), slots, block_experts, num_blocks, num_slots, num_experts,
+        padded // block_m, BLOCK_M=block_m,
+        E_PAD=max(triton.next_power_of_2(num_experts + 1), MIN_VECTOR),
+        S_PAD=max(triton.next_power_of_2(num_slots), MIN_VECTOR),
+        B_PAD=triton.next_power_of_2(padded // block_m), num_warps=NUM_WARPS)
     return SortedSlots(slots, block_experts, num_blocks)

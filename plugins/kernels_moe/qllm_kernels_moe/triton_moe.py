@@ -5,7 +5,7 @@ expert's ``[2I, H]`` and ``[H, I]`` weights as expert ``E``, and routing ``[T, k
 slots, slot ``t * k + j``; the model's last slot per token is the shared expert's):
 
 1. ``moe_align`` lists the slots grouped by expert (``E + 1`` of them), in blocks of
-   ``BLOCK_M`` of one expert (one Triton program up to ``triton_align.MAX_SLOTS`` slots, torch
+   ``BLOCK_M`` of one expert (one Triton launch up to ``triton_align.MAX_SLOTS`` slots, torch
    sort beyond).
 2. ``gate_up``: per block, the tokens' rows of ``x`` times the expert's gate and up rows (two
    accumulators over the same ``x`` tile; a block of expert ``E`` reads the shared expert's
