@@ -30,7 +30,7 @@ import triton.language as tl
 
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus's: above it, softplus(x) is x
-MIN_PROGRAMS = 512  # below this many programs at BV = 32, BV = 16 fills the GPU's SMs better
+MIN_PROGRAMS = 512  # below this many programs at the wider block, the narrower one fills the SMs
 
 
 @triton.jit
@@ -105,15 +105,19 @@ def _launch_config(num_seqs: int, num_heads: int, dv: int, state: torch.Tensor
     """``(value dims per program, warps)``, from ``bench_gdn.py --sweep-decode`` on the H200 at
     the Qwen3.5-35B-A3B geometry.
 
-    Value-major state (key stride 1, as the models store it), one warp per program and a
-    contiguous 4 KB tile: bf16 16 value dims (at batch 200: 113 us per layer; 116.7 at 64 x 8
-    warps, 120.3 at 32 x 1; batch 64: 41.3 us), fp32 32 (217.9 us at batch 200; 218.4 at
-    16 x 2, 240.9 at 16 x 1) (2026-11-30). Key-major (contiguous) state: where 32 value dims
+    Value-major state (key stride 1, as the models store it), one warp per program: bf16 8
+    value dims (a 2 KB tile; at batch 200, consecutive slots: 112.1 us per layer, 114.4 at 16,
+    120.5 at 128 x 8 warps), or 16 where 8 would leave fewer than 512 programs of 16 (batch 1:
+    16 x 1 6.9 us, 8 not measured); fp32 32 (217.9 us at batch 200; 218.4 at 16 x 2, 240.9 at
+    16 x 1) (2026-11-30). Key-major (contiguous) state: where 32 value dims
     per program leave too few programs to fill the GPU, 16 with 2 warps; otherwise bf16
     32 x 2 warps (142 us at batch 200; 149 at 64 x 4), fp32 64 x 4 warps (222 us; 231 at
     32 x 2)."""
-    if state.stride(-2) == 1:
-        block_v, num_warps = (16 if state.dtype.itemsize <= 2 else 32), 1
+    if state.stride(-2) == 1 and state.dtype.itemsize > 2:
+        block_v, num_warps = 32, 1
+    elif state.stride(-2) == 1:
+        block_v = 8 if num_seqs * num_heads * triton.cdiv(dv, 16) >= MIN_PROGRAMS else 16
+        num_warps = 1
     elif num_seqs * num_heads * triton.cdiv(dv, 32) < MIN_PROGRAMS:
         block_v, num_warps = 16, 2
     elif state.dtype.itemsize <= 2:
