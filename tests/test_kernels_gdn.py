@@ -4,8 +4,8 @@
   prefill/update and gated delta rule prefill (Triton recurrent, and fla's chunked kernels
   where fla-core is installed) over varlen batches with lengths 1..1000 (over 64, not multiples
   of 64), with and without initial state; decode at batch 1..256 with slots out of order and
-  padding rows in the padding slot, three chained steps; CUDA-graph replay; reduce-overhead
-  ``torch.compile``; ``opcheck``.
+  padding rows in the padding slot, three chained steps; the gated RMSNorm at decode and
+  prefill sizes; CUDA-graph replay; reduce-overhead ``torch.compile``; ``opcheck``.
 - CPU: the custom ops' fake path under ``torch.compile(fullgraph=True)``, the plugin's
   registrations, and parity of the plugin's own Triton kernels at tiny shapes under the Triton
   interpreter (fla's autotuned kernels need a GPU driver, so they run on CUDA only). The
@@ -28,6 +28,7 @@ pytest.importorskip("qllm_kernels_gdn")
 
 # after the skip above, so the suite runs where the plugin is not installed
 from qllm.ops import gdn as reference  # noqa: E402
+from qllm.ops import norm as norm_reference  # noqa: E402
 from kernel_testing import (HAS_TRITON, INTERPRETING, called_ops, cuda,  # noqa: E402
                             graphs_traced_by, interpreted, interpreter_driver,
                             run_interpreted_tests)
@@ -43,7 +44,7 @@ GDN_PREFILL = {"triton": ops.gdn_prefill, "fla": ops.fla_gdn_prefill}
 # Largest error allowed, relative to the reference's largest magnitude, by the coarser of the
 # activation and state dtypes (the Triton kernels compute in fp32 throughout). fla normalises
 # q/k in the activation dtype and solves in tf32.
-TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
 FLA_TOLERANCE = 2e-2
 STATE_DTYPES = {"state_fp32": torch.float32, "state_bf16": torch.bfloat16}
 # The kernels take any state strides: the models' layouts (default: conv state channel stride 1,
@@ -201,6 +202,29 @@ def opcheck_ops(device: str, dtype: torch.dtype, with_fla: bool) -> None:
     x = gdn_inputs(decode, geometry, TINY_SLOTS, dtype, torch.float32)
     torch.library.opcheck(ops.recurrent_decode, (*x.args()[:8], decode.recurrent_slots,
                                                  decode.has_initial_state))
+    torch.library.opcheck(ops.rms_norm_gated_heads, (*norm_inputs(3, 4, 8, dtype, device),
+                                                     1e-6))
+
+
+def norm_inputs(tokens: int, heads: int, dim: int, dtype: torch.dtype, device: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [T, H, D]`` (as the recurrence returns it), ``gate [T, H, D]`` (a column slice of a
+    wider projection output, as the layer's ``z``) and a perturbed ``weight [D]``."""
+    generator = torch.Generator().manual_seed(tokens * heads + dim)
+    x = torch.randn(tokens, heads, dim, generator=generator).to(device, dtype)
+    projection = torch.randn(tokens, 3 * heads * dim + 5, generator=generator)
+    gate = projection.to(device, dtype)[:, heads * dim:2 * heads * dim].unflatten(-1, (heads, dim))
+    weight = (1 + 0.1 * torch.randn(dim, generator=generator)).to(device, dtype)
+    return x, gate, weight
+
+
+def check_rms_norm_gated(tokens: int, heads: int, dim: int, dtype: torch.dtype,
+                         device: str) -> None:
+    """The gated RMSNorm op against ``qllm.ops.norm`` (which follows transformers' casts)."""
+    x, gate, weight = norm_inputs(tokens, heads, dim, dtype, device)
+    out = ops.rms_norm_gated(x, gate, weight, 1e-6)
+    assert out.is_contiguous()
+    _assert_close(out, norm_reference.rms_norm_gated(x, gate, weight, 1e-6), TOLERANCE[dtype])
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -247,6 +271,18 @@ def test_gdn_prefill_parity(impl, geometry, lens, has_state, state_dtype):
 def test_gdn_decode_parity(geometry, batch, state_dtype, contiguous_state):
     check_gdn_decode(geometry, *batch, torch.bfloat16, state_dtype, GPU_SLOTS, "cuda",
                      contiguous_state)
+
+
+# tokens x value heads x value dim: decode at batch 1 and 200, a prefill chunk, dv 96
+GPU_NORM = {"t1": (1, 32, 128), "t200": (200, 32, 128), "t4099": (4099, 32, 128),
+            "dv96": (37, 8, 96)}
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", GPU_NORM.values(), ids=GPU_NORM.keys())
+def test_rms_norm_gated_parity(shape, dtype):
+    check_rms_norm_gated(*shape, dtype, "cuda")
 
 
 def _decode_step(qkv: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
@@ -399,11 +435,12 @@ def test_fla_chunk_indices_from_host_lengths():
 
 def test_plugin_registrations(monkeypatch):
     registry = PluginRegistry(extra_plugins=[plugin], load_entry_points=False)
-    ops_here = ("causal_conv1d_prefill", "causal_conv1d_update", "gdn_decode", "gdn_prefill")
+    ops_here = ("causal_conv1d_prefill", "causal_conv1d_update", "gdn_decode",
+                "rms_norm_gated", "gdn_prefill")
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         names = registry.kernels(torch.device("cuda"), dtype).names()
         expected = "triton" if HAS_TRITON else "torch"
-        assert {op: names[op] for op in ops_here[:3]} == dict.fromkeys(ops_here[:3], expected)
+        assert {op: names[op] for op in ops_here[:4]} == dict.fromkeys(ops_here[:4], expected)
         assert names["gdn_prefill"] == ("fla" if plugin.HAS_FLA and HAS_TRITON else expected)
     names = registry.kernels(torch.device("cpu"), torch.bfloat16).names()
     assert {names[op] for op in ops_here} == {"torch"}
@@ -473,6 +510,12 @@ def test_interpreted_gates_at_the_extremes():
     out = ops.gdn_decode(*x.args())
     _assert_close(out, ref, TOLERANCE[torch.float32])
     _assert_close(x.ssm_state, ref_state, TOLERANCE[torch.float32])
+
+
+@interpreted
+@pytest.mark.parametrize("shape", [(1, 4, 8), (5, 2, 12)], ids=["t1", "t5-d12"])
+def test_interpreted_rms_norm_gated(shape):
+    check_rms_norm_gated(*shape, torch.float32, "cpu")
 
 
 @interpreted

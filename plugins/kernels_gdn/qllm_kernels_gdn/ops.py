@@ -103,6 +103,22 @@ def _fla_chunk_prefill_fake(q, k, v, a, b, A_log, dt_bias, ssm_state, cu_seqlens
     return v.new_empty(v.shape)
 
 
+# ----------------------------------------------------------------------------- gated RMSNorm
+
+@torch.library.custom_op("qllm_gdn::rms_norm_gated", mutates_args=())
+def rms_norm_gated_heads(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> torch.Tensor:
+    """``(weight * x_hat) * silu(gate)`` per head, ``x, gate [T, H, D]`` -> ``[T, H, D]``."""
+    from qllm_kernels_gdn.triton_norm import rms_norm_gated as launch
+
+    return launch(x, gate, weight, eps)
+
+
+@rms_norm_gated_heads.register_fake
+def _rms_norm_gated_heads_fake(x, gate, weight, eps):
+    return x.new_empty(x.shape)
+
+
 # ----------------------------------------------------------------------------- qllm's ops
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
@@ -141,3 +157,12 @@ def fla_gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
     return fla_chunk_prefill(q, k, v, a, b, A_log, dt_bias, ssm_state, batch.query_start_loc,
                              batch.query_lens_host, batch.recurrent_slots,
                              batch.has_initial_state)
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """``rms_norm_gated`` for qllm (see ``qllm.ops.norm``): ``x, gate [..., D]``, the leading
+    dims taken as ``[T, H]`` (the layer's ``[T, Hv, dv]``; any token and head strides)."""
+    x3, gate3 = (t if t.dim() == 3 else t.reshape(-1, 1, t.shape[-1]) for t in (x, gate))
+    x3, gate3 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x3, gate3))
+    return rms_norm_gated_heads(x3, gate3, weight, eps).view(x.shape)

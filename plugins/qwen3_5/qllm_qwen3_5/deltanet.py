@@ -104,7 +104,7 @@ class GatedDeltaNet(nn.Module):
                                 groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
-        self.norm = RMSNormGated(self.head_v_dim, eps=config.rms_norm_eps)
+        self.norm = RMSNormGated(self.head_v_dim, kernels, eps=config.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, config.hidden_size, kernels)
 
         self._conv_prefill = kernels.causal_conv1d_prefill

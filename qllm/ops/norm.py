@@ -1,0 +1,23 @@
+"""Plain-torch reference of the ``rms_norm_gated`` op (the GPU kernels' oracle): the gated
+RMSNorm that closes a Gated DeltaNet layer (``qllm.layers.gated_norm.RMSNormGated``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """The ``rms_norm_gated`` op: ``x``, ``gate [..., D]`` (any strides) and ``weight [D]``,
+    all in one dtype -> ``(weight * x_hat) * silu(gate)``, ``[..., D]`` contiguous in that
+    dtype, ``x_hat`` the RMS-normalised ``x`` over the last dim.
+
+    Follows transformers' ``Qwen3_5RMSNormGated`` cast for cast: ``x_hat`` is computed in fp32
+    and cast back to ``x.dtype`` before the weight, the gate is applied in fp32, the result is
+    cast back."""
+    dtype = x.dtype
+    hidden = x.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    hidden = weight * hidden.to(dtype)
+    return (hidden * F.silu(gate.float())).to(dtype)
