@@ -62,7 +62,7 @@ for stage in "$@"; do
         moe-tests) run moe_tests 200 python3 -m pytest $PYTEST_GPU -x tests/test_kernels_moe.py ;;
         quick-kernel-tests) run quick_kernel_tests 300 python3 -m pytest $PYTEST_GPU \
                                 tests/test_kernels_moe.py tests/test_kernels_gdn.py -k \
-                                "(triton_align or cuda_graph or compiled or test_parity or every_table or forced or conv_ or gdn_prefill_parity or gdn_decode_parity) and not interpreted" ;;
+                                "(triton_align or cuda_graph or compiled or test_parity or every_table or forced or conv_ or gdn_prefill_parity or gdn_decode_parity or rms_norm_gated) and not interpreted" ;;
         attention-tests) run attention_tests 300 python3 -m pytest $PYTEST_GPU \
                              tests/test_kernels_attention.py ;;
         linear-tests) run linear_tests 300 python3 -m pytest $PYTEST_GPU \
