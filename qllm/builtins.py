@@ -5,7 +5,7 @@ from __future__ import annotations
 from qllm.cache.paged_kv import PagedKVPool, bytes_per_block
 from qllm.cache.recurrent_slots import RecurrentSlotPool, bytes_per_slot
 from qllm.hookspecs import hookimpl
-from qllm.ops import attention, gdn, linear, norm
+from qllm.ops import attention, gdn, linear, norm, rope
 from qllm.specs import CacheKindSpec, KernelSpec, LayerKindSpec
 
 
@@ -49,4 +49,5 @@ def qllm_kernels():
         KernelSpec(op="gdn_decode", name="torch", fn=gdn.gdn_decode),
         KernelSpec(op="linear", name="torch", fn=linear.linear),
         KernelSpec(op="rms_norm_gated", name="torch", fn=norm.rms_norm_gated),
+        KernelSpec(op="qk_norm_rope", name="torch", fn=rope.qk_norm_rope),
     ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qllm.ops.norm import rms_norm
+
 
 class RMSNorm(nn.Module):
     """``x_hat * w`` (Qwen3) or, with ``zero_centered``, ``x_hat * (1 + w)`` (Qwen3.5/Next),
@@ -23,12 +25,7 @@ class RMSNorm(nn.Module):
                                    else torch.ones(hidden_size))
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.zero_centered:
-            return (x * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps, self.zero_centered)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:

@@ -1,9 +1,13 @@
-"""Rotary position embedding (NeoX layout), full or partial, from HF ``rope_parameters``."""
+"""Rotary position embedding (NeoX layout, full or partial) of the attention layers' q and k,
+after their per-head RMSNorm; ``rope_theta`` from HF ``rope_parameters``."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from qllm.layers.norm import RMSNorm
+from qllm.plugins import Kernels
 
 
 def rope_theta(hf_config) -> float:
@@ -18,8 +22,11 @@ def rope_theta(hf_config) -> float:
     return float(theta)
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotates the first ``rotary_dim`` dims of each head; the rest passes through.
+class QKNormRotary(nn.Module):
+    """The attention layers' q/k path through the ``qk_norm_rope`` op (reference:
+    ``qllm.ops.rope``): each head of q and k RMS-normalised by the layer's ``q_norm`` /
+    ``k_norm`` (their weights keep the checkpoint's names there), then the first ``rotary_dim``
+    dims rotated (NeoX layout); the rest pass through.
 
     The cos/sin table is derived, not loaded: ``reset_derived_buffers`` rebuilds it after the
     model is materialised from the meta device.
@@ -27,12 +34,14 @@ class RotaryEmbedding(nn.Module):
 
     prefill_region = True  # see CausalLM.prefill_regions
 
-    def __init__(self, head_dim: int, rotary_dim: int, max_positions: int, theta: float):
+    def __init__(self, head_dim: int, rotary_dim: int, max_positions: int, theta: float,
+                 kernels: Kernels):
         super().__init__()
         self.head_dim, self.rotary_dim = head_dim, rotary_dim
         self.max_positions, self.theta = max_positions, theta
         self.register_buffer("cos_sin", torch.empty(max_positions, rotary_dim),
                              persistent=False)
+        self._qk_norm_rope = kernels.qk_norm_rope
 
     def reset_derived_buffers(self) -> None:
         device = self.cos_sin.device
@@ -43,14 +52,9 @@ class RotaryEmbedding(nn.Module):
         cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, rotary_dim]
         self.cos_sin.copy_(cos_sin.to(self.cos_sin.dtype))
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """``positions [T]``, ``q [T, Hq, D]``, ``k [T, Hk, D]`` -> rotated (q, k)."""
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, rotary_dim / 2] each
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
-        x1, x2 = rot.chunk(2, dim=-1)
-        cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        return torch.cat([rotated, rest], dim=-1) if rest.shape[-1] else rotated
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                q_norm: RMSNorm, k_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [T]``, ``q [T, Hq, D]``, ``k [T, Hk, D]`` -> normalised and rotated
+        ``(q, k)``; ``q_norm`` and ``k_norm`` share one eps and flavour."""
+        return self._qk_norm_rope(q, k, q_norm.weight, k_norm.weight, self.cos_sin, positions,
+                                  q_norm.eps, q_norm.zero_centered)

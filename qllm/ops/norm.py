@@ -1,10 +1,25 @@
-"""Plain-torch reference of the ``rms_norm_gated`` op (the GPU kernels' oracle): the gated
-RMSNorm that closes a Gated DeltaNet layer (``qllm.layers.gated_norm.RMSNormGated``)."""
+"""RMSNorm in plain torch: ``rms_norm`` (the models' norms, ``qllm.layers.norm.RMSNorm``, and
+the q/k norms of the ``qk_norm_rope`` op), and the reference of the ``rms_norm_gated`` op (the
+GPU kernels' oracle), the gated RMSNorm that closes a Gated DeltaNet layer
+(``qllm.layers.gated_norm.RMSNormGated``)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             zero_centered: bool) -> torch.Tensor:
+    """``x_hat * w`` (Qwen3) or, ``zero_centered``, ``x_hat * (1 + w)`` (Qwen3.5 / Qwen3-Next)
+    over the last dim, in ``x.dtype``. Casts as transformers: ``x_hat`` in fp32; a plain weight
+    multiplies ``x_hat`` cast back to ``x.dtype``, a zero-centred one multiplies in fp32."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered:
+        return (x * (1.0 + weight.float())).to(dtype)
+    return weight * x.to(dtype)
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,

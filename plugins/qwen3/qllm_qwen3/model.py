@@ -12,7 +12,7 @@ from qllm.layers.embedding import LMHead
 from qllm.layers.linear import Linear, PackedLinear
 from qllm.layers.mlp import SwiGLUMLP
 from qllm.layers.norm import RMSNorm
-from qllm.layers.rotary import RotaryEmbedding, rope_theta
+from qllm.layers.rotary import QKNormRotary, rope_theta
 from qllm.model_api import CausalLM
 from qllm.plugins import Kernels
 from qllm.runner.batch import ForwardBatch
@@ -32,18 +32,19 @@ class Qwen3Attention(nn.Module):
         self.o_proj = Linear(q_size, config.hidden_size, kernels, bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, self.head_dim,
-                                          config.max_position_embeddings, rope_theta(config))
+        self.qk_rotary = QKNormRotary(self.head_dim, self.head_dim,
+                                      config.max_position_embeddings, rope_theta(config),
+                                      kernels)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, kernels,
                                    cache_dtype)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim)))     # [T, Hq, D]
-        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))  # [T, Hkv, D]
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        q, k = self.rotary_emb(positions, q, k)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))     # [T, Hq, D]
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
+        q, k = self.qk_rotary(positions, q, k, self.q_norm, self.k_norm)
         out = self.attn(q, k, v, batch)                                       # [T, Hq, D]
         return self.o_proj(out.flatten(-2))
 

@@ -14,7 +14,7 @@ from torch import nn
 from qllm.layers.attention import PagedAttention
 from qllm.layers.linear import Linear, PackedLinear
 from qllm.layers.norm import RMSNorm
-from qllm.layers.rotary import RotaryEmbedding, rope_theta
+from qllm.layers.rotary import QKNormRotary, rope_theta
 from qllm.plugins import Kernels
 from qllm.runner.batch import ForwardBatch
 
@@ -34,8 +34,9 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(q_size, config.hidden_size, kernels)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered=True)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered=True)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, rotary_dim_of(config),
-                                          config.max_position_embeddings, rope_theta(config))
+        self.qk_rotary = QKNormRotary(self.head_dim, rotary_dim_of(config),
+                                      config.max_position_embeddings, rope_theta(config),
+                                      kernels)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, kernels,
                                    cache_dtype)
 
@@ -44,10 +45,9 @@ class GatedAttention(nn.Module):
         """``positions [T]``, ``hidden [T, H]`` -> ``[T, H]``."""
         q_gate, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q, gate = q_gate.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
-        q = self.q_norm(q)                                                    # [T, Hq, D]
-        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))  # [T, Hkv, D]
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))               # [T, Hkv, D]
-        q, k = self.rotary_emb(positions, q, k)
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
+        q, k = self.qk_rotary(positions, q, k, self.q_norm, self.k_norm)  # q: [T, Hq, D]
         out = self.attn(q, k, v, batch)                                       # [T, Hq, D]
         out = out * torch.sigmoid(gate)
         return self.o_proj(out.flatten(-2))
