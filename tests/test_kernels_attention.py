@@ -2,7 +2,8 @@
 
 - CUDA (skipped without a GPU): bf16 parity of decode and prefill over GQA ratios, page sizes,
   head dims, ragged lengths and cached prefixes; forced split counts; CUDA-graph replay;
-  ``torch.compile``; ``opcheck``.
+  ``torch.compile``; ``opcheck``. The q/k norm + RoPE kernel against ``qllm.ops.rope`` at the
+  Qwen3.5 (partial rotary, zero-centred norms) and Qwen3 (full rotary) head geometries.
 - CPU: the custom ops' fake path under ``torch.compile(fullgraph=True)``, the plugin's
   registrations, and parity at tiny shapes under the Triton interpreter. The interpreter must
   be switched on before Triton is imported, so ``test_triton_interpreter`` reruns this file's
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ pytest.importorskip("qllm_kernels_attention")
 # after the skip above, so the suite runs where the plugin is not installed
 from kernel_testing import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
                             interpreted, interpreter_driver, run_interpreted_tests)
-from qllm.ops import attention  # noqa: E402
+from qllm.ops import attention, rope  # noqa: E402
 from qllm.plugins import PluginRegistry  # noqa: E402
 from qllm_kernels_attention import ops, plugin  # noqa: E402
 from qllm_kernels_attention.testing import PagedInputs, paged_inputs  # noqa: E402
@@ -114,6 +116,50 @@ def opcheck_ops(device: str, dtype: torch.dtype) -> None:
         x.q, x.k_cache, x.v_cache, x.batch.seq_lens, x.batch.block_tables, x.scale))
 
 
+    torch.library.opcheck(ops.qk_norm_rope_heads, qk_inputs(**TINY_QK["partial-zc"], tokens=3,
+                                                             dtype=dtype, device=device))
+
+
+# name -> q heads, k heads, head dim, rotary dims, zero-centred norm weights
+GPU_QK = {"qwen3.5": dict(q_heads=16, k_heads=2, head_dim=256, rotary_dim=64, zero_centered=True),
+          "qwen3": dict(q_heads=16, k_heads=8, head_dim=128, rotary_dim=128,
+                        zero_centered=False)}
+TINY_QK = {"partial-zc": dict(q_heads=4, k_heads=2, head_dim=16, rotary_dim=8,
+                              zero_centered=True),
+           "full-half6": dict(q_heads=3, k_heads=1, head_dim=12, rotary_dim=12,
+                              zero_centered=False)}
+
+
+def qk_inputs(q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, zero_centered: bool,
+              tokens: int, dtype: torch.dtype, device: str) -> tuple:
+    """``qk_norm_rope``'s arguments as an attention layer passes them: q a per-head half of a
+    wider projection output (Qwen3.5's query and gate), k a column slice of it, perturbed norm
+    weights, the cos/sin table of ``QKNormRotary`` and positions up to 4,095."""
+    generator = torch.Generator().manual_seed(tokens + q_heads + head_dim)
+    width = (2 * q_heads + k_heads) * head_dim
+    rows = torch.randn(tokens, width + 3, generator=generator).to(device, dtype)
+    q = rows[:, :2 * q_heads * head_dim].unflatten(-1, (q_heads, 2 * head_dim))[..., :head_dim]
+    k = rows[:, 2 * q_heads * head_dim:width].unflatten(-1, (k_heads, head_dim))
+    center = 0.0 if zero_centered else 1.0
+    q_weight, k_weight = (center + 0.1 * torch.randn(head_dim, generator=generator)
+                          for _ in range(2))
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    freqs = torch.outer(torch.arange(4096).float(), inv_freq)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, rotary_dim]
+    positions = torch.randint(0, 4096, (tokens,), generator=generator)
+    return (q, k, q_weight.to(device, dtype), k_weight.to(device, dtype), cos_sin.to(device),
+            positions.to(device), 1e-6, zero_centered)
+
+
+def check_qk_norm_rope(case: dict, tokens: int, dtype: torch.dtype, device: str) -> None:
+    args = qk_inputs(**case, tokens=tokens, dtype=dtype, device=device)
+    q, k = ops.qk_norm_rope(*args)
+    expected_q, expected_k = rope.qk_norm_rope(*args)
+    assert q.is_contiguous() and k.is_contiguous()
+    _assert_close(q, expected_q.float(), dtype)
+    _assert_close(k, expected_k.float(), dtype)
+
+
 # ----------------------------------------------------------------------------- CUDA
 
 @cuda
@@ -127,6 +173,14 @@ def test_decode_parity(case, num_splits):
 @pytest.mark.parametrize("case", GPU_PREFILL.values(), ids=GPU_PREFILL.keys())
 def test_prefill_parity(case):
     check_prefill(case, "cuda", torch.bfloat16)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("tokens", [1, 200, 3001])
+@pytest.mark.parametrize("case", GPU_QK.values(), ids=GPU_QK.keys())
+def test_qk_norm_rope_parity(case, tokens, dtype):
+    check_qk_norm_rope(case, tokens, dtype, "cuda")
 
 
 @cuda
@@ -196,15 +250,34 @@ def test_compile_fullgraph_on_fake_path(op):
     assert called_ops(graph) == [getattr(torch.ops.qllm_attn, f"paged_{op}").default]
 
 
+def test_qk_norm_rope_compiles_on_fake_path():
+    """The q/k norm + RoPE op traces into one ``fullgraph`` node over meta tensors."""
+    args = [a.to("meta") if isinstance(a, torch.Tensor) else a
+            for a in qk_inputs(**TINY_QK["partial-zc"], tokens=3, dtype=torch.bfloat16,
+                               device="cpu")]
+
+    def run(backend):
+        q, k = torch.compile(ops.qk_norm_rope, fullgraph=True, backend=backend)(*args)
+        assert q.device.type == "meta" and q.shape == args[0].shape and q.is_contiguous()
+        assert k.shape == args[1].shape and k.dtype == torch.bfloat16
+
+    (graph,) = graphs_traced_by(run)
+    assert called_ops(graph)[0] == torch.ops.qllm_attn.qk_norm_rope.default
+    assert all(target is operator.getitem for target in called_ops(graph)[1:])  # its (q, k)
+
+
 def test_plugin_registrations():
     registry = PluginRegistry(extra_plugins=[plugin], load_entry_points=False)
     best = "flash_attn" if plugin.HAS_FLASH_ATTN else "triton" if HAS_TRITON else "torch"
     names = registry.kernels(torch.device("cuda"), torch.bfloat16).names()
     assert names["paged_attention_decode"] == names["paged_attention_prefill"] == best
     assert names["kv_store"] == "torch"
-    for device, dtype in (("cpu", torch.bfloat16), ("cuda", torch.float32)):
-        names = registry.kernels(torch.device(device), dtype).names()
-        assert set(names.values()) == {"torch"}
+    assert names["qk_norm_rope"] == ("triton" if HAS_TRITON else "torch")
+    names = registry.kernels(torch.device("cuda"), torch.float32).names()
+    assert names["qk_norm_rope"] == ("triton" if HAS_TRITON else "torch")
+    assert {names[op] for op in names if op != "qk_norm_rope"} == {"torch"}
+    names = registry.kernels(torch.device("cpu"), torch.bfloat16).names()
+    assert set(names.values()) == {"torch"}
 
 
 @interpreter_driver
@@ -227,6 +300,14 @@ def test_interpreted_decode(case, num_splits, dtype):
 @pytest.mark.parametrize("case", TINY_PREFILL.values(), ids=TINY_PREFILL.keys())
 def test_interpreted_prefill(case, dtype):
     check_prefill(case, "cpu", dtype)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("case", TINY_QK.values(), ids=TINY_QK.keys())
+def test_interpreted_qk_norm_rope(case, tokens, dtype):
+    check_qk_norm_rope(case, tokens, dtype, "cpu")
 
 
 @interpreted

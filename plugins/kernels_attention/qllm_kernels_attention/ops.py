@@ -46,6 +46,32 @@ def _paged_prefill_fake(q, k_cache, v_cache, query_start_loc, seq_lens, context_
     return q.new_empty(q.shape)
 
 
+@torch.library.custom_op("qllm_attn::qk_norm_rope", mutates_args=())
+def qk_norm_rope_heads(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                       k_weight: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor,
+                       eps: float, zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm then NeoX RoPE of ``q [T, Hq, D]`` and ``k [T, Hk, D]`` -> new
+    contiguous ``(q, k)``."""
+    from qllm_kernels_attention.triton_qk_norm_rope import qk_norm_rope as launch
+
+    return launch(q, k, q_weight, k_weight, cos_sin, positions, eps, zero_centered)
+
+
+@qk_norm_rope_heads.register_fake
+def _qk_norm_rope_heads_fake(q, k, q_weight, k_weight, cos_sin, positions, eps,
+                             zero_centered):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                 k_weight: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor,
+                 eps: float, zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qk_norm_rope`` for qllm (see ``qllm.ops.rope``); any token and head strides."""
+    q, k, cos_sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, cos_sin))
+    return qk_norm_rope_heads(q, k, q_weight, k_weight, cos_sin, positions, eps,
+                              zero_centered)
+
+
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            batch: ForwardBatch, scale: float) -> torch.Tensor:
     """``paged_attention_decode`` for qllm (see ``qllm.ops.attention``); tensor-only."""
