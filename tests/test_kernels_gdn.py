@@ -256,9 +256,10 @@ def test_conv_update_parity(geometry, batch, state_dtype):
 @pytest.mark.parametrize("lens", GPU_PREFILL.values(), ids=GPU_PREFILL.keys())
 @pytest.mark.parametrize("geometry", GPU_GEOMETRIES.values(), ids=GPU_GEOMETRIES.keys())
 @pytest.mark.parametrize("impl", GDN_PREFILL)
-def test_gdn_prefill_parity(impl, geometry, lens, has_state, state_dtype):
+def test_gdn_prefill_parity(impl, geometry, lens, has_state, state_dtype, monkeypatch):
     if impl == "fla" and not plugin.HAS_FLA:
         pytest.skip("fla-core is not installed")
+    monkeypatch.setattr(ops, "RECURRENT_PREFILL_MAX_TOKENS", 0)  # fla's kernels at every size
     check_gdn_prefill(impl, geometry, lens, has_state, torch.bfloat16, state_dtype, GPU_SLOTS,
                       "cuda")
 
@@ -382,12 +383,14 @@ def _to_meta(value):
     return value
 
 
-FAKE_CASES = {  # registered function, its custom op, whether it is a decode step
-    "causal_conv1d_prefill": (ops.causal_conv1d_prefill, "conv1d_prefill", False),
-    "causal_conv1d_update": (ops.causal_conv1d_update, "conv1d_update", True),
-    "gdn_prefill": (ops.gdn_prefill, "recurrent_prefill", False),
-    "fla_gdn_prefill": (ops.fla_gdn_prefill, "fla_chunk_prefill", False),
-    "gdn_decode": (ops.gdn_decode, "recurrent_decode", True),
+FAKE_CASES = {  # registered function, its custom op, the step's query lengths
+    "causal_conv1d_prefill": (ops.causal_conv1d_prefill, "conv1d_prefill", [5, 70, 1]),
+    "causal_conv1d_update": (ops.causal_conv1d_update, "conv1d_update", [1] * 3),
+    "gdn_prefill": (ops.gdn_prefill, "recurrent_prefill", [5, 70, 1]),
+    "fla_gdn_prefill": (ops.fla_gdn_prefill, "fla_chunk_prefill", [5, 700, 1]),
+    # a short step takes the recurrent kernel where fla is installed too
+    "fla_gdn_prefill-short": (ops.fla_gdn_prefill, "recurrent_prefill", [5, 70, 1]),
+    "gdn_decode": (ops.gdn_decode, "recurrent_decode", [1] * 3),
 }
 
 
@@ -395,9 +398,9 @@ FAKE_CASES = {  # registered function, its custom op, whether it is a decode ste
 def test_compile_fullgraph_on_fake_path(case):
     """Dynamo and AOT autograd trace the registered functions into one graph holding the
     custom op, and the fake implementation gives the output (meta tensors: no kernel runs)."""
-    fn, op_name, decode = case
+    fn, op_name, query_lens = case
     geometry = TINY_GEOMETRIES["gqa2-dk16-dv8"]
-    batch = random_batch([1] * 3 if decode else [5, 70, 1], TINY_SLOTS, True)
+    batch = random_batch(query_lens, TINY_SLOTS, True)
     if op_name.startswith("conv"):
         x = conv_inputs(batch, geometry, TINY_SLOTS, torch.bfloat16, torch.bfloat16)
         args = [x.x, x.weight, x.conv_state, batch]

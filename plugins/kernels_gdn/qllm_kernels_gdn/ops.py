@@ -150,10 +150,21 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
                              batch.recurrent_slots, batch.has_initial_state)
 
 
+# Prefill steps of at most this many tokens take the recurrent kernel even where fla is
+# installed: at W3's 512-token prompt the whole prefill step took 50 ms with it against 118 ms
+# with fla's chunked kernels (H200, 2026-11-30; fla's per-call work, about 2.3 ms per GDN layer,
+# dominates a short step); W2's 16,384-token steps are faster with fla (3.01 s of prefill
+# against 4.16 s).
+RECURRENT_PREFILL_MAX_TOKENS = 512
+
+
 def fla_gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                     b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                     ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """``gdn_prefill`` for qllm through fla's chunked kernels; no host sync."""
+    """``gdn_prefill`` for qllm through fla's chunked kernels (the recurrent kernel for steps
+    of up to ``RECURRENT_PREFILL_MAX_TOKENS`` tokens); no host sync."""
+    if q.shape[0] <= RECURRENT_PREFILL_MAX_TOKENS:
+        return gdn_prefill(q, k, v, a, b, A_log, dt_bias, ssm_state, batch)
     return fla_chunk_prefill(q, k, v, a, b, A_log, dt_bias, ssm_state, batch.query_start_loc,
                              batch.query_lens_host, batch.recurrent_slots,
                              batch.has_initial_state)
