@@ -96,8 +96,11 @@ def case_args(kind: str, batch) -> tuple[tuple, int]:
     slots = batch.recurrent_slots
     if kind.startswith("conv"):
         x = conv_inputs(batch, GEOMETRY, NUM_SLOTS, DTYPE, CONV_DTYPE)
-        return (x.x, x.weight, x.conv_state, batch), (
-            2 * _nbytes(x.conv_state[slots]) + 2 * _nbytes(x.x) + _nbytes(x.weight))
+        args = (x.x, x.weight, x.conv_state, batch)
+        if kind == "conv_prefill":  # its output split as the layer splits it: q, k, v
+            key_dim = GEOMETRY.num_k_heads * GEOMETRY.head_k_dim
+            args += ([key_dim, key_dim, GEOMETRY.num_v_heads * GEOMETRY.head_v_dim],)
+        return args, (2 * _nbytes(x.conv_state[slots]) + 2 * _nbytes(x.x) + _nbytes(x.weight))
     x = gdn_inputs(batch, GEOMETRY, NUM_SLOTS, DTYPE, SSM_DTYPE,
                    contiguous_state=KEY_MAJOR_STATE)
     return x.args(), (2 * _nbytes(x.ssm_state[slots]) + _nbytes(x.q, x.k, x.a, x.b)
@@ -128,6 +131,8 @@ def measure(kind: str, name: str, batch, impls: list[str]) -> list[dict]:
                    tokens=batch.slot_mapping.shape[0])
         try:
             out = call()
+            if isinstance(out, list):  # the prefill conv's q, k, v
+                out = torch.cat(out, dim=-1)
             if impl == "torch":
                 expected = out.float()
                 if impl not in impls:

@@ -12,6 +12,7 @@ from qllm.runner.batch import ForwardBatch
 
 HK, HV, DK, DV = 2, 4, 16, 8
 CONV_DIM, KERNEL = 12, 4
+SPLITS = [4, 4, 4]  # the conv channels as q, k, v
 NUM_SLOTS = 6
 ATOL = 1e-5
 
@@ -229,8 +230,10 @@ def test_conv_prefill_then_updates_equal_full_sequence_conv(lens):
     seqs = [torch.randn(n + num_decode, CONV_DIM, generator=gen) for n in lens]
 
     packed = torch.cat([s[:n] for s, n in zip(seqs, lens)])
-    out = gdn.causal_conv1d_prefill(packed, weight, conv_state,
-                                    make_batch(lens, slots, [False] * len(lens)))
+    q, k, v = gdn.causal_conv1d_prefill(packed, weight, conv_state,
+                                        make_batch(lens, slots, [False] * len(lens)), SPLITS)
+    assert all(part.is_contiguous() for part in (q, k, v))
+    out = torch.cat([q, k, v], dim=-1)
     decode_batch = make_batch([1] * len(lens), slots, [True] * len(lens), is_prefill=False)
     steps = [gdn.causal_conv1d_update(torch.stack([s[n + j] for s, n in zip(seqs, lens)]),
                                       weight, conv_state, decode_batch)
@@ -251,8 +254,10 @@ def test_conv_split_prefill_carries_state():
     weight = torch.randn(CONV_DIM, KERNEL, generator=gen)
     x = torch.randn(40, CONV_DIM, generator=gen)
     conv_state = torch.zeros(NUM_SLOTS + 1, CONV_DIM, KERNEL - 1)
-    first = gdn.causal_conv1d_prefill(x[:2], weight, conv_state, make_batch([2], [0], [False]))
-    second = gdn.causal_conv1d_prefill(x[2:], weight, conv_state, make_batch([38], [0], [True]))
+    first = torch.cat(gdn.causal_conv1d_prefill(x[:2], weight, conv_state,
+                                                make_batch([2], [0], [False]), SPLITS), -1)
+    second = torch.cat(gdn.causal_conv1d_prefill(x[2:], weight, conv_state,
+                                                 make_batch([38], [0], [True]), SPLITS), -1)
     torch.testing.assert_close(torch.cat([first, second]), full_conv_silu(x, weight),
                                atol=ATOL, rtol=1e-5)
 
@@ -263,7 +268,8 @@ def test_conv_prefill_matches_transformers_conv_fn():
     weight = torch.randn(CONV_DIM, KERNEL, generator=gen)
     x = torch.randn(33, CONV_DIM, generator=gen)
     conv_state = torch.zeros(NUM_SLOTS + 1, CONV_DIM, KERNEL - 1)
-    out = gdn.causal_conv1d_prefill(x, weight, conv_state, make_batch([33], [0], [False]))
+    out = torch.cat(gdn.causal_conv1d_prefill(x, weight, conv_state,
+                                              make_batch([33], [0], [False]), SPLITS), -1)
     ref = qwen.causal_conv1d_fn(x.t()[None], weight, None, activation="silu")
     torch.testing.assert_close(out, ref[0].t(), atol=ATOL, rtol=1e-5)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 
 import pytest
 import torch
@@ -110,6 +111,12 @@ def _assert_states(actual: torch.Tensor, expected: torch.Tensor, before: torch.T
 
 # ----------------------------------------------------------------------------- checks
 
+def _qkv_sizes(geometry: GDNGeometry) -> list[int]:
+    """The conv channels as the layer splits them: q, k, v."""
+    key_dim = geometry.num_k_heads * geometry.head_k_dim
+    return [key_dim, key_dim, geometry.num_v_heads * geometry.head_v_dim]
+
+
 def check_conv_prefill(geometry: GDNGeometry, query_lens: list[int], has_state: str,
                        dtype: torch.dtype, state_dtype: torch.dtype, num_slots: int,
                        device: str, contiguous_state: bool = False) -> None:
@@ -119,9 +126,12 @@ def check_conv_prefill(geometry: GDNGeometry, query_lens: list[int], has_state: 
                     contiguous_state=contiguous_state)
     before = x.conv_state.clone()
     ref_state = x.conv_state.clone()
-    ref = reference.causal_conv1d_prefill(x.x, x.weight, ref_state, batch)
-    out = ops.causal_conv1d_prefill(x.x, x.weight, x.conv_state, batch)
-    _assert_close(out, ref, _tolerance("triton", dtype, state_dtype))
+    sizes = _qkv_sizes(geometry)
+    refs = reference.causal_conv1d_prefill(x.x, x.weight, ref_state, batch, sizes)
+    outs = ops.causal_conv1d_prefill(x.x, x.weight, x.conv_state, batch, sizes)
+    assert len(outs) == 3 and all(out.is_contiguous() for out in outs)
+    for out, ref in zip(outs, refs):
+        _assert_close(out, ref, _tolerance("triton", dtype, state_dtype))
     _assert_states(x.conv_state, ref_state, before, batch, _conv_state_tolerance(state_dtype))
 
 
@@ -188,7 +198,8 @@ def opcheck_ops(device: str, dtype: torch.dtype, with_fla: bool) -> None:
     decode = random_batch([1] * 3, TINY_SLOTS, [True, False, True], 1, device=device)
     for batch, conv, conv_args in (
             (prefill, ops.conv1d_prefill, lambda b: (b.query_start_loc, b.recurrent_slots,
-                                                     b.has_initial_state, b.max_query_len)),
+                                                     b.has_initial_state, b.max_query_len,
+                                                     _qkv_sizes(geometry))),
             (decode, ops.conv1d_update, lambda b: (b.recurrent_slots, b.has_initial_state))):
         x = conv_inputs(batch, geometry, TINY_SLOTS, dtype, torch.float32)
         torch.library.opcheck(conv, (x.x, x.weight, x.conv_state, *conv_args(batch)))
@@ -407,16 +418,23 @@ def test_compile_fullgraph_on_fake_path(case):
     else:
         args = list(gdn_inputs(batch, geometry, TINY_SLOTS, torch.bfloat16,
                                torch.float32).args())
+    if op_name == "conv1d_prefill":
+        args.append(_qkv_sizes(geometry))
     args = [_to_meta(arg) for arg in args]
-    expected = args[0] if op_name.startswith("conv") else args[2]  # x, or v
+    tokens = args[0].shape[0]
+    expected = ([(tokens, size) for size in _qkv_sizes(geometry)] if op_name == "conv1d_prefill"
+                else [tuple(args[0].shape)] if op_name == "conv1d_update"
+                else [tuple(args[2].shape)])  # x, or v
 
     def run(backend):
         out = torch.compile(fn, fullgraph=True, backend=backend)(*args)
-        assert out.device.type == "meta" and out.shape == expected.shape
-        assert out.dtype == expected.dtype
+        outs = out if isinstance(out, (list, tuple)) else [out]
+        assert [tuple(o.shape) for o in outs] == expected
+        assert all(o.device.type == "meta" and o.dtype == torch.bfloat16 for o in outs)
 
     (graph,) = graphs_traced_by(run)
-    assert called_ops(graph) == [getattr(torch.ops.qllm_gdn, op_name).default]
+    assert called_ops(graph)[0] == getattr(torch.ops.qllm_gdn, op_name).default
+    assert all(target is operator.getitem for target in called_ops(graph)[1:])  # its parts
 
 
 def test_fla_chunk_indices_from_host_lengths():

@@ -5,6 +5,8 @@ Four ops, registered in ``qllm.builtins`` under these names:
 - ``causal_conv1d_prefill`` / ``causal_conv1d_update``: the depthwise causal conv over the
   ``[q | k | v]`` channels, **with the SiLU applied inside** (as ``causal_conv1d_fn(...,
   activation="silu")`` does), carrying each sequence's last ``K - 1`` inputs between steps.
+  Prefill returns q, k and v as separate contiguous tensors (chunked kernels read them so);
+  decode returns ``[B, C]``, whose column views the recurrent kernel reads in place.
 - ``gdn_prefill`` (chunked form, chunk 64) / ``gdn_decode`` (recurrent single step): the gated
   delta rule.
 
@@ -48,12 +50,15 @@ L2NORM_EPS = 1e-6
 # ----------------------------------------------------------------------------- causal conv1d
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
-                          batch: ForwardBatch) -> torch.Tensor:
+                          batch: ForwardBatch, split_sizes: list[int]
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU over packed new tokens ``x [T, C]`` with ``weight [C, K]``.
 
     Each sequence's tokens are prefixed by its carried inputs ``conv_state[slot] [C, K-1]``
     (zeros where ``has_initial_state`` is False); its last ``K - 1`` inputs are written back.
-    Computed in fp32, returned in ``x.dtype``. Returns ``[T, C]``. Uses host values (eager).
+    Computed in fp32, returned in ``x.dtype`` as the three channel groups ``split_sizes``
+    (summing to ``C``: the layer's q, k, v), each a contiguous ``[T, size]`` tensor, the layout
+    chunked GDN kernels read. Uses host values (eager).
     """
     out = torch.empty_like(x)
     width = weight.shape[1] - 1
@@ -71,7 +76,8 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
         conv = F.conv1d(window[None], w, groups=x.shape[1])[0]  # [C, L]
         out[start:end] = F.silu(conv).t().to(x.dtype)
         conv_state[slot] = window[:, window.shape[1] - width:].to(conv_state.dtype)
-    return out
+    q, k, v = (part.contiguous() for part in out.split(split_sizes, dim=-1))
+    return q, k, v
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,

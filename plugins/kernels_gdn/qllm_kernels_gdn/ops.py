@@ -33,16 +33,22 @@ def _conv1d_update_fake(x, weight, conv_state, slots, has_state):
 @torch.library.custom_op("qllm_gdn::conv1d_prefill", mutates_args=("conv_state",))
 def conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                    cu_seqlens: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
-                   max_query_len: int) -> torch.Tensor:
-    """Conv + SiLU over packed varlen tokens, ``x [T, C]`` -> ``[T, C]``; refills the slots."""
+                   max_query_len: int, split_sizes: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Conv + SiLU over packed varlen tokens, ``x [T, C]`` -> the three channel groups
+    ``split_sizes`` (q, k, v), each a contiguous ``[T, size]``; refills the slots."""
     from qllm_kernels_gdn.triton_conv import conv1d_prefill as launch
 
-    return launch(x, weight, conv_state, cu_seqlens, slots, has_state, max_query_len)
+    return launch(x, weight, conv_state, cu_seqlens, slots, has_state, max_query_len,
+                  split_sizes)
 
 
 @conv1d_prefill.register_fake
-def _conv1d_prefill_fake(x, weight, conv_state, cu_seqlens, slots, has_state, max_query_len):
-    return x.new_empty(x.shape)
+def _conv1d_prefill_fake(x, weight, conv_state, cu_seqlens, slots, has_state, max_query_len,
+                         split_sizes):
+    q_size, k_size, v_size = split_sizes
+    return (x.new_empty(x.shape[0], q_size), x.new_empty(x.shape[0], k_size),
+            x.new_empty(x.shape[0], v_size))
 
 
 # ----------------------------------------------------------------------------- gated delta rule
@@ -128,10 +134,11 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
-                          batch: ForwardBatch) -> torch.Tensor:
+                          batch: ForwardBatch, split_sizes: list[int]
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``causal_conv1d_prefill`` for qllm (see ``qllm.ops.gdn``); no host sync."""
     return conv1d_prefill(x, weight, conv_state, batch.query_start_loc, batch.recurrent_slots,
-                          batch.has_initial_state, batch.max_query_len)
+                          batch.has_initial_state, batch.max_query_len, split_sizes)
 
 
 def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,

@@ -10,7 +10,9 @@ one coalesced vector. Math in fp32; outputs in ``x.dtype``, state in its own dty
   token's output and shifts the slot in place. A channel's taps are 1-D vectors of one layout,
   so the thread that reads a state element is the one that overwrites it: no race.
 - ``conv1d_prefill``: one program per (block of tokens, sequence, block of channels); positions
-  before a sequence's start read its slot. Token blocks past a sequence's end return at once,
+  before a sequence's start read its slot. It writes q, k and v as three contiguous tensors:
+  fla's chunked kernels copied each strided column view contiguous first (three copies of
+  about 100 us per GDN layer in W2's 16,384-token prefill steps). Token blocks past a sequence's end return at once,
   so the grid depends on ``max_query_len`` alone, never on tensor values (no host sync). A
   second launch writes the new states once every conv program has read the old ones.
 """
@@ -59,12 +61,14 @@ def _conv_update_kernel(
 
 @triton.jit
 def _conv_prefill_kernel(
-    x_ptr, w_ptr, state_ptr, out_ptr, cu_seqlens_ptr, slots_ptr, has_state_ptr,
-    num_channels,
+    x_ptr, w_ptr, state_ptr, out0_ptr, out1_ptr, out2_ptr, cu_seqlens_ptr, slots_ptr,
+    has_state_ptr, num_channels, split1, split2,
     stride_x_tok, stride_x_chan, stride_w_chan, stride_w_tap,
-    stride_s_slot, stride_s_chan, stride_s_tap, stride_out_tok,
+    stride_s_slot, stride_s_chan, stride_s_tap,
     KERNEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
+    """Channels ``[0, split1)`` go to ``out0`` (q), ``[split1, split2)`` to ``out1`` (k), the
+    rest to ``out2`` (v), each a contiguous ``[T, group width]``."""
     block_t = tl.program_id(0)
     seq = tl.program_id(1)
     bos = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
@@ -91,8 +95,14 @@ def _conv_prefill_kernel(
         acc += (xv.to(tl.float32) + sv.to(tl.float32)) * w.to(tl.float32)[None, :]
     out = acc * tl.sigmoid(acc)
     out_mask = (pos < length)[:, None] & chan_mask[None, :]
-    tl.store(out_ptr + (bos + pos)[:, None] * stride_out_tok + chans[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    # the part each channel belongs to: its first channel and width
+    part_start = tl.where(chans >= split2, split2, tl.where(chans >= split1, split1, 0))  # [BC]
+    part_width = tl.where(chans >= split2, num_channels - split2,
+                          tl.where(chans >= split1, split2 - split1, split1))  # [BC]
+    offset = (bos + pos)[:, None] * part_width[None, :] + (chans - part_start)[None, :]
+    dst = tl.where((chans >= split2)[None, :], out2_ptr + offset,
+                   tl.where((chans >= split1)[None, :], out1_ptr + offset, out0_ptr + offset))
+    tl.store(dst, out.to(out0_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -144,20 +154,25 @@ def conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
 
 def conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                    cu_seqlens: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
-                   max_query_len: int) -> torch.Tensor:
+                   max_query_len: int, split_sizes: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed ``x [T, C]`` of ``B`` sequences split at ``cu_seqlens [B + 1]``; ``weight``,
     ``conv_state``, ``slots``, ``has_state`` as in ``conv1d_update``; each slot ends holding
-    its sequence's last ``K - 1`` inputs. Returns ``[T, C]`` in ``x.dtype``."""
+    its sequence's last ``K - 1`` inputs. Returns the three channel groups ``split_sizes``
+    (q, k, v; summing to ``C``), each a contiguous ``[T, size]`` tensor in ``x.dtype``."""
     tokens, channels = x.shape
+    if len(split_sizes) != 3 or sum(split_sizes) != channels:
+        raise ValueError(f"split_sizes {split_sizes}: three groups summing to the {channels} "
+                         f"channels")
     batch = slots.shape[0]
-    out = x.new_empty(tokens, channels)
+    q, k, v = (x.new_empty(tokens, size) for size in split_sizes)
     grid = (triton.cdiv(max_query_len, PREFILL_BLOCK_T), batch,
             triton.cdiv(channels, PREFILL_BLOCK_C))
     _conv_prefill_kernel[grid](
-        x, weight, conv_state, out, cu_seqlens, slots, has_state,
-        channels,
+        x, weight, conv_state, q, k, v, cu_seqlens, slots, has_state,
+        channels, split_sizes[0], split_sizes[0] + split_sizes[1],
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), out.stride(0),
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         KERNEL=weight.shape[1], BLOCK_T=PREFILL_BLOCK_T, BLOCK_C=PREFILL_BLOCK_C, num_warps=4)
     _conv_state_kernel[(batch, triton.cdiv(channels, UPDATE_BLOCK_C))](
         x, conv_state, cu_seqlens, slots, has_state,
@@ -165,4 +180,4 @@ def conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tens
         x.stride(0), x.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         KERNEL=weight.shape[1], BLOCK_C=UPDATE_BLOCK_C, num_warps=4)
-    return out
+    return q, k, v

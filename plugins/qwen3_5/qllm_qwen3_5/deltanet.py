@@ -133,11 +133,12 @@ class GatedDeltaNet(nn.Module):
         """``hidden [T, H]`` -> ``[T, H]``."""
         qkv, z, b, a = self.in_proj.split(self.in_proj(hidden))
         conv_weight = self.conv1d.weight[:, 0, :]  # [C, K]
-        if batch.is_prefill:
-            qkv = self._conv_prefill(qkv, conv_weight, self.conv_state, batch)  # [T, C]
+        sizes = [self.key_dim, self.key_dim, self.value_dim]
+        if batch.is_prefill:  # each of q, k, v contiguous, as chunked kernels read them
+            q, k, v = self._conv_prefill(qkv, conv_weight, self.conv_state, batch, sizes)
         else:
-            qkv = self._conv_update(qkv, conv_weight, self.conv_state, batch)
-        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            q, k, v = self._conv_update(qkv, conv_weight, self.conv_state, batch).split(
+                sizes, dim=-1)  # views of [B, C]
         q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))  # [T, Hk, dk]
         k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))  # [T, Hk, dk]
         v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))  # [T, Hv, dv]
