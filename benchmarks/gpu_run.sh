@@ -5,9 +5,9 @@
 # Stages (each killed after its time limit, so one hang does not cost the call):
 #   gpu-tests: Qwen3 and Qwen3.5 model tests on CUDA; kernel-tests: kernel parity tests
 #   (moe-tests: the MoE ones alone, stopping at the first failure; quick-kernel-tests: the MoE
-#   align, parity, table-entry, forced-config, graph and compile cases and the GDN conv,
-#   prefill, decode and compile cases, which fit a short call where the whole kernel-tests
-#   stage does not; linear-tests: the
+#   align, parity, table-entry, forced-config, graph and compile cases, the GDN conv,
+#   prefill, decode, gated-norm and compile cases and the q/k norm + RoPE cases, which fit a
+#   short call where the whole kernel-tests stage does not; linear-tests: the
 #   linear (GEMV) plugin's tests);
 #   kernels: kernel micro-benchmarks; bench-linear: the GEMV's launch-config sweep at the
 #   Qwen3.5-35B-A3B projection shapes (JSON lines, best config per shape and row count);
@@ -26,7 +26,9 @@
 #   block-size sweep for the token counts in $TUNE_TOKENS (default "1 256") over the BLOCK_M
 #   values in $TUNE_BLOCK_M (default all; 1 is the small-batch path), the rewritten table
 #   copied to $OUT.
-# Wheels in .whl/ (fla-core...) are installed first when present.
+# Wheels in .whl/ (fla-core...) are installed first when present, into /tmp/site on this
+# script's PYTHONPATH: a command run after this script, outside it, needs
+# PYTHONPATH=/tmp/site too, or it runs without fla (session 14's last W2 did).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -61,8 +63,9 @@ for stage in "$@"; do
                           tests/test_kernels_moe.py tests/test_kernels_gdn.py ;;
         moe-tests) run moe_tests 200 python3 -m pytest $PYTEST_GPU -x tests/test_kernels_moe.py ;;
         quick-kernel-tests) run quick_kernel_tests 300 python3 -m pytest $PYTEST_GPU \
-                                tests/test_kernels_moe.py tests/test_kernels_gdn.py -k \
-                                "(triton_align or cuda_graph or compiled or test_parity or every_table or forced or conv_ or gdn_prefill_parity or gdn_decode_parity or rms_norm_gated) and not interpreted" ;;
+                                tests/test_kernels_moe.py tests/test_kernels_gdn.py \
+                                tests/test_kernels_attention.py -k \
+                                "(triton_align or cuda_graph or compiled or test_parity or every_table or forced or conv_ or gdn_prefill_parity or gdn_decode_parity or rms_norm_gated or qk_norm_rope) and not interpreted" ;;
         attention-tests) run attention_tests 300 python3 -m pytest $PYTEST_GPU \
                              tests/test_kernels_attention.py ;;
         linear-tests) run linear_tests 300 python3 -m pytest $PYTEST_GPU \
