@@ -21,10 +21,11 @@ winner against the reference and rewrites the shipped table
 over several runs with ``--tokens`` and ``--block-m``: an entry records its time
 (``tuned_ms``), and a later sweep on the same device replaces it only when faster (delete
 ``tuned_ms`` after a kernel change). The full sweep takes the better part of an hour;
-``--grid quick`` tries fewer tiles.
+``--grid quick`` tries fewer tiles; ``--grid decode`` the tiles of weight-streaming decode
+batches.
 
     python benchmarks/bench_moe.py [--impl triton torch]
-    python benchmarks/bench_moe.py --tune [--grid quick] [--tokens 1 2 4 8 ... 4096]
+    python benchmarks/bench_moe.py --tune [--grid quick|decode] [--tokens 1 2 4 8 ... 4096]
         [--block-m 1 16 32 64 128]
 """
 
@@ -107,13 +108,18 @@ COLUMNS = [("case", "case", 16, None), ("impl", "impl", 8, None), ("ms", "ms", 9
 
 # ----------------------------------------------------------------------------- tuning
 
-# Tile grids of the sweep: "full" (the better part of an hour for every token count) and
-# "quick" (a minute or two per token count, for a short GPU session).
+# Tile grids of the sweep: "full" (the better part of an hour for every token count), "quick"
+# (a minute or two per token count, for a short GPU session) and "decode" (a few minutes per
+# BLOCK_M: the longer K tiles, deeper pipelines and narrower N tiles that "quick" leaves out,
+# for decode batches, where the expert GEMMs stream weights: W2's ran at 4.1-4.2 TB/s with the
+# quick grid's pick).
 GRIDS = {
     "full": dict(n_gated=(16, 32, 64, 128), n=(32, 64, 128, 256), k=(64, 128, 256),
                  warps=(4, 8), stages=(2, 3, 4, 5)),
     "quick": dict(n_gated=(32, 64, 128), n=(64, 128, 256), k=(64, 128), warps=(4, 8),
                   stages=(3, 4)),
+    "decode": dict(n_gated=(16, 32, 64), n=(32, 64, 128), k=(128, 256), warps=(2, 4),
+                   stages=(3, 4, 5)),
 }
 
 

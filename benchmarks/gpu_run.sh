@@ -24,7 +24,8 @@
 #   consecutive slots, as in W2; the sweep's first config, the default 16 x 1 warp);
 #   state-dtype: bf16 vs fp32 recurrent state at the real geometry; tune-moe: quick MoE
 #   block-size sweep for the token counts in $TUNE_TOKENS (default "1 256") over the BLOCK_M
-#   values in $TUNE_BLOCK_M (default all; 1 is the small-batch path), the rewritten table
+#   values in $TUNE_BLOCK_M (default all; 1 is the small-batch path) over the tile grid
+#   $TUNE_GRID (default quick; decode: the weight-streaming tiles), the rewritten table
 #   copied to $OUT.
 # Wheels in .whl/ (fla-core...) are installed first when present, into /tmp/site on this
 # script's PYTHONPATH: a command run after this script, outside it, needs
@@ -92,7 +93,7 @@ for stage in "$@"; do
                            --max-num-seqs 200 --max-model-len 3072 ;;
         profile-w3) run profile_w3 150 python3 benchmarks/profile_step.py --workload w3 \
                         --batch 1 --context 512 --recurrent-state-dtype bfloat16 --out "$out" ;;
-        tune-moe) run tune_moe 420 python3 benchmarks/bench_moe.py --tune --grid quick \
+        tune-moe) run tune_moe 420 python3 benchmarks/bench_moe.py --tune --grid ${TUNE_GRID:-quick} \
                       --tokens ${TUNE_TOKENS:-1 256} --block-m ${TUNE_BLOCK_M:-1 16 32 64 128}
                   cp plugins/kernels_moe/qllm_kernels_moe/configs/*.json "$out"/moe_configs.json ;;
         w3) run w3 200 python3 benchmarks/throughput.py --workload w3 --max-num-seqs 1 \
