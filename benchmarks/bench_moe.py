@@ -14,8 +14,8 @@ eager only); ``max_err`` is the largest difference from it. Prints a table, then
 object per row.
 
 ``--tune`` sweeps BLOCK_M and each GEMM's BLOCK_N / BLOCK_K / GROUP_M / num_warps /
-num_stages per token count (up to 16 tokens also the small-batch path: BLOCK_M 1, no sort, the
-slot sum in the down GEMV; the sorted path's total counts its align and slot sum), checks the
+num_stages per token count (up to 16 tokens also the small-batch path: BLOCK_M 1, no sort; each
+total counts the slot sum, the sorted path's also its align), checks the
 winner against the reference and rewrites the shipped table
 (``qllm_kernels_moe/configs/E=256,N=1024,K=2048.json``) entry by entry, so a sweep can be split
 over several runs with ``--tokens`` and ``--block-m``: an entry records its time
@@ -45,7 +45,7 @@ from qllm_kernels_moe.configs import GemmConfig, MoeConfig, config_path, get_con
 from qllm_kernels_moe.testing import MoeInputs, moe_inputs
 from qllm_kernels_moe.triton_align import MAX_SLOTS, moe_align_triton
 from qllm_kernels_moe.triton_moe import down, fused_moe_triton, gate_up, sum_slots
-from qllm_kernels_moe.triton_slot_moe import slot_down_sum, slot_gate_up
+from qllm_kernels_moe.triton_slot_moe import slot_down, slot_gate_up
 from qllm_qwen3_5.moe import fused_moe as torch_fused_moe
 from report import print_table
 from timing import time_ms
@@ -155,11 +155,14 @@ def tune_slot_path(inputs: MoeInputs) -> tuple[float, MoeConfig]:
                           slot_candidates(), graph=True)
     hidden = slot_gate_up(x, w13, shared_w13, topk_ids, up)
     down_ms, dn = best_gemm(
-        lambda c: slot_down_sum(hidden, w2, shared_w2, topk_weights, topk_ids, c),
+        lambda c: slot_down(hidden, w2, shared_w2, topk_weights, topk_ids, c),
         slot_candidates(), graph=True)
-    print(f"  T={x.shape[0]} BLOCK_M=1: up {up_ms:.4f} + down-and-sum {down_ms:.4f} = "
-          f"{up_ms + down_ms:.4f} ms", flush=True)
-    return up_ms + down_ms, MoeConfig(1, up, dn)
+    expert_out = slot_down(hidden, w2, shared_w2, topk_weights, topk_ids, dn)
+    sum_ms = time_ms(lambda: sum_slots(expert_out, topk_ids.shape[1]), graph=True)
+    total = up_ms + down_ms + sum_ms
+    print(f"  T={x.shape[0]} BLOCK_M=1: up {up_ms:.4f} + down {down_ms:.4f} + sum "
+          f"{sum_ms:.4f} = {total:.4f} ms", flush=True)
+    return total, MoeConfig(1, up, dn)
 
 
 def best_gemm(run, candidates, graph: bool) -> tuple[float, GemmConfig]:

@@ -31,7 +31,7 @@ import triton.language as tl
 from qllm_kernels_moe.align import SortedSlots, moe_align
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
 from qllm_kernels_moe.triton_align import MAX_SLOTS, moe_align_triton
-from qllm_kernels_moe.triton_slot_moe import slot_down_sum, slot_gate_up
+from qllm_kernels_moe.triton_slot_moe import slot_down, slot_gate_up
 
 SUM_BLOCK_N = 1024  # columns per program of the slot sum: 8 bf16 (16 bytes) per thread
 
@@ -192,7 +192,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
     if config.BLOCK_M == 1:
         hidden = slot_gate_up(x, w13, shared_w13, topk_ids, config.up)  # [S, I]
-        return slot_down_sum(hidden, w2, shared_w2, topk_weights, topk_ids, config.down)
+        expert_out = slot_down(hidden, w2, shared_w2, topk_weights, topk_ids, config.down)
+        return sum_slots(expert_out, topk_ids.shape[1])
     align = moe_align_triton if topk_ids.numel() <= MAX_SLOTS else moe_align
     sorted_slots = align(topk_ids, num_experts + 1, config.BLOCK_M)
     hidden = gate_up(x, w13, shared_w13, sorted_slots, top_k, config.BLOCK_M,
