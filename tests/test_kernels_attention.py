@@ -121,7 +121,8 @@ def opcheck_ops(device: str, dtype: torch.dtype) -> None:
 
 
 # name -> q heads, k heads, head dim, rotary dims, zero-centred norm weights
-GPU_QK = {"qwen3.5": dict(q_heads=16, k_heads=2, head_dim=256, rotary_dim=64, zero_centered=True),
+GPU_QK = {"qwen3.5": dict(q_heads=16, k_heads=2, head_dim=256, rotary_dim=64,
+                          zero_centered=True),
           "qwen3": dict(q_heads=16, k_heads=8, head_dim=128, rotary_dim=128,
                         zero_centered=False)}
 TINY_QK = {"partial-zc": dict(q_heads=4, k_heads=2, head_dim=16, rotary_dim=8,

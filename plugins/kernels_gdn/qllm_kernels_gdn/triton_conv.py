@@ -12,9 +12,10 @@ one coalesced vector. Math in fp32; outputs in ``x.dtype``, state in its own dty
 - ``conv1d_prefill``: one program per (block of tokens, sequence, block of channels); positions
   before a sequence's start read its slot. It writes q, k and v as three contiguous tensors:
   fla's chunked kernels copied each strided column view contiguous first (three copies of
-  about 100 us per GDN layer in W2's 16,384-token prefill steps). Token blocks past a sequence's end return at once,
-  so the grid depends on ``max_query_len`` alone, never on tensor values (no host sync). A
-  second launch writes the new states once every conv program has read the old ones.
+  about 100 us per GDN layer in W2's 16,384-token prefill steps). Token blocks past a
+  sequence's end return at once, so the grid depends on ``max_query_len`` alone, never on
+  tensor values (no host sync). A second launch writes the new states once every conv program
+  has read the old ones.
 """
 
 from __future__ import annotations

@@ -50,6 +50,8 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     block_d = triton.next_power_of_2(dim)
     block_r = max(1, ELEMENTS_PER_PROGRAM // block_d)
     rows = tokens * heads
+    if rows == 0:
+        return out
     _rms_norm_gated_kernel[(triton.cdiv(rows, block_r),)](
         x, gate, weight, out, rows, heads, eps,
         x.stride(0), x.stride(1), gate.stride(0), gate.stride(1),
