@@ -6,7 +6,7 @@ routed like the model's router (top-8 of a softmax over random logits, then the 
 expert). Times are medians of ``triton.testing.do_bench`` (L2 flushed
 between calls). Decode runs in CUDA graphs in the engine, so its ``ms`` is a graph replay
 (``eager_ms``: plain calls, CPU launch cost included); prefill runs eagerly. ``align_ms`` is
-the torch slot sort alone, ``tr_align`` the one-launch Triton align where it applies. GB/s
+the torch slot sort alone, ``tr_align`` the Triton align. GB/s
 counts the bytes a call must move at least (the weights of every expert hit, read once, plus
 x and the per-slot output) against the H200's ~4.3 TB/s; TFLOP/s counts
 the three matmuls per routed slot. ``torch`` is the plain-torch reference (host-syncs, so
@@ -43,7 +43,7 @@ from qllm_kernels_moe import ops
 from qllm_kernels_moe.align import moe_align
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, config_path, get_config, load_table
 from qllm_kernels_moe.testing import MoeInputs, moe_inputs
-from qllm_kernels_moe.triton_align import MAX_SLOTS, moe_align_triton
+from qllm_kernels_moe.triton_align import moe_align_triton
 from qllm_kernels_moe.triton_moe import down, fused_moe_triton, gate_up, sum_slots
 from qllm_kernels_moe.triton_slot_moe import slot_down, slot_gate_up
 from qllm_qwen3_5.moe import fused_moe as torch_fused_moe
@@ -85,9 +85,8 @@ def measure(name: str, tokens: int, impls: list[str]) -> list[dict]:
             block_m = get_config(tokens, EXPERTS, 2 * INTER, HIDDEN, TOP_K).BLOCK_M
             align_ms = round(time_ms(lambda: moe_align(inputs.topk_ids, EXPERTS + 1, block_m),
                                      graph), 4)
-            if inputs.topk_ids.numel() <= MAX_SLOTS:
-                triton_align_ms = round(time_ms(
-                    lambda: moe_align_triton(inputs.topk_ids, EXPERTS + 1, block_m), graph), 4)
+            triton_align_ms = round(time_ms(
+                lambda: moe_align_triton(inputs.topk_ids, EXPERTS + 1, block_m), graph), 4)
         gbps = nbytes / ms / 1e6
         rows.append(dict(case=name, impl=impl, tokens=tokens, ms=round(ms, 4),
                          eager_ms=round(eager_ms, 4), align_ms=align_ms,
@@ -199,9 +198,8 @@ def tune_tokens(tokens: int, grid: dict, block_ms: tuple[int, ...] = BLOCK_MS
         # grouped launch orders pay where an expert spans several blocks: the shared expert
         # (one slot per token) does once the tokens outnumber a block
         many = tokens > block_m
-        align = moe_align_triton if topk_ids.numel() <= MAX_SLOTS else moe_align
-        sorted_slots = align(topk_ids, EXPERTS + 1, block_m)
-        align_ms = time_ms(lambda: align(topk_ids, EXPERTS + 1, block_m), graph)
+        sorted_slots = moe_align_triton(topk_ids, EXPERTS + 1, block_m)
+        align_ms = time_ms(lambda: moe_align_triton(topk_ids, EXPERTS + 1, block_m), graph)
         up_ms, up = best_gemm(
             lambda c: gate_up(x, w13, shared_w13, sorted_slots, TOP_K + 1, block_m, c),
             gemm_candidates(block_m, True, many, grid), graph)

@@ -5,8 +5,8 @@ expert's ``[2I, H]`` and ``[H, I]`` weights as expert ``E``, and routing ``[T, k
 slots, slot ``t * k + j``; the model's last slot per token is the shared expert's):
 
 1. ``moe_align`` lists the slots grouped by expert (``E + 1`` of them), in blocks of
-   ``BLOCK_M`` of one expert (one Triton launch up to ``triton_align.MAX_SLOTS`` slots, torch
-   sort beyond).
+   ``BLOCK_M`` of one expert (``triton_align``: one launch up to ``MAX_SLOTS`` slots, three
+   beyond).
 2. ``gate_up``: per block, the tokens' rows of ``x`` times the expert's gate and up rows (two
    accumulators over the same ``x`` tile; a block of expert ``E`` reads the shared expert's
    weights), epilogue ``silu(gate) * up`` -> ``hidden [S, I]``.
@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm_kernels_moe.align import SortedSlots, moe_align
+from qllm_kernels_moe.align import SortedSlots
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
-from qllm_kernels_moe.triton_align import MAX_SLOTS, moe_align_triton
+from qllm_kernels_moe.triton_align import moe_align_triton
 from qllm_kernels_moe.triton_slot_moe import slot_down, slot_gate_up
 
 SUM_BLOCK_N = 1024  # columns per program of the slot sum: 8 bf16 (16 bytes) per thread
@@ -194,8 +194,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         hidden = slot_gate_up(x, w13, shared_w13, topk_ids, config.up)  # [S, I]
         expert_out = slot_down(hidden, w2, shared_w2, topk_weights, topk_ids, config.down)
         return sum_slots(expert_out, topk_ids.shape[1])
-    align = moe_align_triton if topk_ids.numel() <= MAX_SLOTS else moe_align
-    sorted_slots = align(topk_ids, num_experts + 1, config.BLOCK_M)
+    sorted_slots = moe_align_triton(topk_ids, num_experts + 1, config.BLOCK_M)
     hidden = gate_up(x, w13, shared_w13, sorted_slots, top_k, config.BLOCK_M,
                      config.up)  # [S, I]
     expert_out = down(hidden, w2, shared_w2, topk_weights, sorted_slots,
