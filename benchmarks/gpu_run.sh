@@ -74,7 +74,8 @@ for stage in "$@"; do
         kernels) run bench_attention 100 python3 benchmarks/bench_attention.py
                  run bench_moe 100 python3 benchmarks/bench_moe.py
                  run bench_gdn 100 python3 benchmarks/bench_gdn.py
-                 run bench_linear 100 python3 benchmarks/bench_linear.py ;;
+                 run bench_linear 100 python3 benchmarks/bench_linear.py
+                 run bench_norms 100 python3 benchmarks/bench_norms.py ;;
         bench-linear) TAIL=${TAIL:-12} run bench_linear_sweep 480 python3 \
                           benchmarks/bench_linear.py --sweep ;;
         w1) run w1 300 python3 benchmarks/throughput.py --workload w1 \

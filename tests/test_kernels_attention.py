@@ -26,7 +26,7 @@ from kernel_testing import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # n
 from qllm.ops import attention, rope  # noqa: E402
 from qllm.plugins import PluginRegistry  # noqa: E402
 from qllm_kernels_attention import ops, plugin  # noqa: E402
-from qllm_kernels_attention.testing import PagedInputs, paged_inputs  # noqa: E402
+from qllm_kernels_attention.testing import PagedInputs, paged_inputs, qk_inputs  # noqa: E402
 
 TOLERANCE = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
@@ -129,27 +129,6 @@ TINY_QK = {"partial-zc": dict(q_heads=4, k_heads=2, head_dim=16, rotary_dim=8,
                               zero_centered=True),
            "full-half6": dict(q_heads=3, k_heads=1, head_dim=12, rotary_dim=12,
                               zero_centered=False)}
-
-
-def qk_inputs(q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, zero_centered: bool,
-              tokens: int, dtype: torch.dtype, device: str) -> tuple:
-    """``qk_norm_rope``'s arguments as an attention layer passes them: q a per-head half of a
-    wider projection output (Qwen3.5's query and gate), k a column slice of it, perturbed norm
-    weights, the cos/sin table of ``QKNormRotary`` and positions up to 4,095."""
-    generator = torch.Generator().manual_seed(tokens + q_heads + head_dim)
-    width = (2 * q_heads + k_heads) * head_dim
-    rows = torch.randn(tokens, width + 3, generator=generator).to(device, dtype)
-    q = rows[:, :2 * q_heads * head_dim].unflatten(-1, (q_heads, 2 * head_dim))[..., :head_dim]
-    k = rows[:, 2 * q_heads * head_dim:width].unflatten(-1, (k_heads, head_dim))
-    center = 0.0 if zero_centered else 1.0
-    q_weight, k_weight = (center + 0.1 * torch.randn(head_dim, generator=generator)
-                          for _ in range(2))
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
-    freqs = torch.outer(torch.arange(4096).float(), inv_freq)
-    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, rotary_dim]
-    positions = torch.randint(0, 4096, (tokens,), generator=generator)
-    return (q, k, q_weight.to(device, dtype), k_weight.to(device, dtype), cos_sin.to(device),
-            positions.to(device), 1e-6, zero_centered)
 
 
 def check_qk_norm_rope(case: dict, tokens: int, dtype: torch.dtype, device: str) -> None:

@@ -37,7 +37,7 @@ from qllm.plugins import PluginRegistry  # noqa: E402
 from qllm.runner.batch import ForwardBatch  # noqa: E402
 from qllm_kernels_gdn import ops, plugin  # noqa: E402
 from qllm_kernels_gdn.testing import (QWEN3_5_35B_A3B, GDNGeometry, conv_inputs,  # noqa: E402
-                                      gdn_inputs, random_batch)
+                                      gdn_inputs, norm_inputs, random_batch)
 
 
 
@@ -215,18 +215,6 @@ def opcheck_ops(device: str, dtype: torch.dtype, with_fla: bool) -> None:
                                                  decode.has_initial_state))
     torch.library.opcheck(ops.rms_norm_gated_heads, (*norm_inputs(3, 4, 8, dtype, device),
                                                      1e-6))
-
-
-def norm_inputs(tokens: int, heads: int, dim: int, dtype: torch.dtype, device: str
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x [T, H, D]`` (as the recurrence returns it), ``gate [T, H, D]`` (a column slice of a
-    wider projection output, as the layer's ``z``) and a perturbed ``weight [D]``."""
-    generator = torch.Generator().manual_seed(tokens * heads + dim)
-    x = torch.randn(tokens, heads, dim, generator=generator).to(device, dtype)
-    projection = torch.randn(tokens, 3 * heads * dim + 5, generator=generator)
-    gate = projection.to(device, dtype)[:, heads * dim:2 * heads * dim].unflatten(-1, (heads, dim))
-    weight = (1 + 0.1 * torch.randn(dim, generator=generator)).to(device, dtype)
-    return x, gate, weight
 
 
 def check_rms_norm_gated(tokens: int, heads: int, dim: int, dtype: torch.dtype,

@@ -151,3 +151,15 @@ def gdn_inputs(batch: ForwardBatch, geometry: GDNGeometry, num_slots: int,
                    if contiguous_state else
                    (0.5 * randn(num_slots + 1, hv, dv, dk)).to(state_dtype).transpose(-1, -2)),
         batch=batch)
+
+
+def norm_inputs(tokens: int, heads: int, dim: int, dtype: torch.dtype, device: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [T, H, D]`` (as the recurrence returns it), ``gate [T, H, D]`` (a column slice of a
+    wider projection output, as the layer's ``z``) and a perturbed ``weight [D]``."""
+    generator = torch.Generator().manual_seed(tokens * heads + dim)
+    x = torch.randn(tokens, heads, dim, generator=generator).to(device, dtype)
+    projection = torch.randn(tokens, 3 * heads * dim + 5, generator=generator)
+    gate = projection.to(device, dtype)[:, heads * dim:2 * heads * dim].unflatten(-1, (heads, dim))
+    weight = (1 + 0.1 * torch.randn(dim, generator=generator)).to(device, dtype)
+    return x, gate, weight
