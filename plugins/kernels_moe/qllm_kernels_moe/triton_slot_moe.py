@@ -32,9 +32,7 @@ from qllm_kernels_moe.configs import GemmConfig
 @triton.jit
 def _expert_weights(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert):
     """The first weight of ``expert``: the shared expert's for id ``num_experts``."""
-    if expert == num_experts:
-        return shared_w_ptr
-    return w_ptr + expert * stride_w_expert
+    return tl.where(expert == num_experts, shared_w_ptr, w_ptr + expert * stride_w_expert)
 
 
 @triton.jit
