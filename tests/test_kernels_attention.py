@@ -284,7 +284,7 @@ def test_interpreted_prefill(case, dtype):
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("tokens", [1, 5, 300])  # 300: past PER_HEAD_MAX_TOKENS
 @pytest.mark.parametrize("case", TINY_QK.values(), ids=TINY_QK.keys())
 def test_interpreted_qk_norm_rope(case, tokens, dtype):
     check_qk_norm_rope(case, tokens, dtype, "cpu")

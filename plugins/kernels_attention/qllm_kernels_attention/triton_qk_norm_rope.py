@@ -4,9 +4,9 @@ first ``R`` dims rotated as pairs ``(i, i + R / 2)`` (NeoX), the rest passed thr
 
 Left to ``torch.compile``, Qwen3.5's decode graph ran this path (with the K/V store) as 9-10
 small kernels per attention layer, the norms split into a reduction and a pointwise kernel
-each (about 14 us per layer at W2's batch 200, 11 us at batch 1). Here one program per (token,
-head) reads its head once and writes it normalised and rotated. (One program per token walking
-all 18 heads took 4.7 us at batch 1 and 4.6 us at batch 200: latency-bound.)
+each (about 14 us per layer at W2's batch 200, 11 us at batch 1). Here a program reads a block
+of one token's heads once and writes them normalised and rotated: one head per program for
+decode batches, all of a token's heads for prefill (``PER_HEAD_MAX_TOKENS``).
 
 Casts follow ``qllm.ops.norm.rms_norm``: ``x_hat`` in fp32; a zero-centred weight multiplies
 in fp32, a plain one multiplies ``x_hat`` rounded to the input dtype. The rotation reads cos
@@ -20,18 +20,20 @@ import torch
 import triton
 import triton.language as tl
 
-NUM_WARPS = 1  # a program holds one head: D values
+# Up to this many tokens (decode batches) a program takes one head: one program per token walked
+# Qwen3.5's 18 heads latency-bound (4.7 us at 1 token, 4.6 at 200). Prefill steps keep a
+# program per token, not hundreds of thousands of one-warp programs.
+PER_HEAD_MAX_TOKENS = 256
 
 
 @triton.jit
-def _scaled(x, inv_rms, weight_ptr, dims, mask, ZERO_CENTERED: tl.constexpr):
-    """``x [n]`` (fp32) times ``inv_rms`` and its weights ``weight[dims]``, rounded to the
-    weight's dtype (the activations' dtype) the way ``rms_norm`` rounds."""
-    weight = tl.load(weight_ptr + dims, mask=mask, other=0.0)  # [n]
-    x_hat = x * inv_rms
+def _scaled(x, inv_rms, weights, ZERO_CENTERED: tl.constexpr):
+    """``x [H, n]`` (fp32) times ``inv_rms [H]`` and ``weights [H, n]``, rounded to the
+    weights' dtype (the activations' dtype) the way ``rms_norm`` rounds."""
+    x_hat = x * inv_rms[:, None]
     if ZERO_CENTERED:
-        return (x_hat * (1.0 + weight.to(tl.float32))).to(weight.dtype)
-    return (weight.to(tl.float32) * x_hat.to(weight.dtype).to(tl.float32)).to(weight.dtype)
+        return (x_hat * (1.0 + weights.to(tl.float32))).to(weights.dtype)
+    return (weights.to(tl.float32) * x_hat.to(weights.dtype).to(tl.float32)).to(weights.dtype)
 
 
 @triton.jit
@@ -41,44 +43,47 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_wei
                          stride_cos_sin,
                          HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                          HALF: tl.constexpr, HALF_PAD: tl.constexpr, REST: tl.constexpr,
-                         REST_PAD: tl.constexpr, ZERO_CENTERED: tl.constexpr):
-    """One head of one token: program ``(t, h)`` takes q head ``h`` for ``h < HQ``, else k head
-    ``h - HQ``."""
+                         REST_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+                         ZERO_CENTERED: tl.constexpr):
+    """Program ``(t, g)``: heads ``[g * BLOCK_H, (g + 1) * BLOCK_H)`` of token ``t``, counting
+    the ``HQ`` q heads first, then the ``HK`` k heads."""
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    is_q = head < HQ
-    if is_q:
-        src = q_ptr + token * stride_q_tok + head * stride_q_head
-        dst = q_out_ptr + (token * HQ + head) * D
-        weight_ptr = q_weight_ptr
-    else:
-        src = k_ptr + token * stride_k_tok + (head - HQ) * stride_k_head
-        dst = k_out_ptr + (token * HK + head - HQ) * D
-        weight_ptr = k_weight_ptr
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [H]
+    is_q = heads < HQ
+    k_heads = heads - HQ
+    src = tl.where(is_q, q_ptr + token * stride_q_tok + heads * stride_q_head,
+                   k_ptr + token * stride_k_tok + k_heads * stride_k_head)[:, None]  # [H, 1]
+    dst = tl.where(is_q, q_out_ptr + (token * HQ + heads) * D,
+                   k_out_ptr + (token * HK + k_heads) * D)[:, None]  # [H, 1]
+    weight = tl.where(is_q, q_weight_ptr, k_weight_ptr)[:, None]  # [H, 1]
+    mask_h = (heads < HQ + HK)[:, None]
 
-    half = tl.arange(0, HALF_PAD)  # [n]
-    mask_half = half < HALF
-    x1 = tl.load(src + half, mask=mask_half, other=0.0).to(tl.float32)  # [n]
-    x2 = tl.load(src + HALF + half, mask=mask_half, other=0.0).to(tl.float32)
-    sum_sq = tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)
+    half = tl.arange(0, HALF_PAD)[None, :]  # [1, n]
+    mask = mask_h & (half < HALF)  # [H, n]
+    x1 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)  # [H, n]
+    x2 = tl.load(src + HALF + half, mask=mask, other=0.0).to(tl.float32)
+    sum_sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # [H]
     if REST > 0:
-        rest = tl.arange(0, REST_PAD)  # [r]
-        mask_rest = rest < REST
+        rest = tl.arange(0, REST_PAD)[None, :]  # [1, r]
+        mask_rest = mask_h & (rest < REST)  # [H, r]
         xr = tl.load(src + 2 * HALF + rest, mask=mask_rest, other=0.0).to(tl.float32)
-        sum_sq += tl.sum(xr * xr, axis=0)
-    inv_rms = tl.rsqrt(sum_sq / D + eps)
+        sum_sq += tl.sum(xr * xr, axis=1)
+    inv_rms = tl.rsqrt(sum_sq / D + eps)  # [H]
 
     position = tl.load(positions_ptr + token)
-    table = cos_sin_ptr + position * stride_cos_sin + half  # [n]: the position's [cos | sin]
+    table = cos_sin_ptr + position * stride_cos_sin + half  # [1, n]: the position's [cos | sin]
     out_ty = q_out_ptr.dtype.element_ty
-    cos = tl.load(table, mask=mask_half, other=0.0).to(out_ty).to(tl.float32)  # [n]
-    sin = tl.load(table + HALF, mask=mask_half, other=0.0).to(out_ty).to(tl.float32)
-    n1 = _scaled(x1, inv_rms, weight_ptr, half, mask_half, ZERO_CENTERED).to(tl.float32)
-    n2 = _scaled(x2, inv_rms, weight_ptr, HALF + half, mask_half, ZERO_CENTERED).to(tl.float32)
-    tl.store(dst + half, (n1 * cos - n2 * sin).to(out_ty), mask=mask_half)
-    tl.store(dst + HALF + half, (n2 * cos + n1 * sin).to(out_ty), mask=mask_half)
+    cos = tl.load(table, mask=half < HALF, other=0.0).to(out_ty).to(tl.float32)  # [1, n]
+    sin = tl.load(table + HALF, mask=half < HALF, other=0.0).to(out_ty).to(tl.float32)
+    n1 = _scaled(x1, inv_rms, tl.load(weight + half, mask=mask, other=0.0),
+                 ZERO_CENTERED).to(tl.float32)
+    n2 = _scaled(x2, inv_rms, tl.load(weight + HALF + half, mask=mask, other=0.0),
+                 ZERO_CENTERED).to(tl.float32)
+    tl.store(dst + half, (n1 * cos - n2 * sin).to(out_ty), mask=mask)
+    tl.store(dst + HALF + half, (n2 * cos + n1 * sin).to(out_ty), mask=mask)
     if REST > 0:
-        nr = _scaled(xr, inv_rms, weight_ptr, 2 * HALF + rest, mask_rest, ZERO_CENTERED)
+        nr = _scaled(xr, inv_rms, tl.load(weight + 2 * HALF + rest, mask=mask_rest, other=0.0),
+                     ZERO_CENTERED)
         tl.store(dst + 2 * HALF + rest, nr.to(out_ty), mask=mask_rest)
 
 
@@ -95,11 +100,14 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     k_out = torch.empty(tokens, num_k_heads, dim, dtype=k.dtype, device=k.device)
     if tokens == 0:
         return q_out, k_out
-    _qk_norm_rope_kernel[(tokens, num_q_heads + num_k_heads)](
+    heads = num_q_heads + num_k_heads
+    # decode: a program per head; prefill: a program per token, every head at once
+    block_h = 1 if tokens <= PER_HEAD_MAX_TOKENS else triton.next_power_of_2(heads)
+    _qk_norm_rope_kernel[(tokens, triton.cdiv(heads, block_h))](
         q, k, q_out, k_out, q_weight, k_weight, cos_sin, positions, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
         HQ=num_q_heads, HK=num_k_heads, D=dim,
         HALF=half, HALF_PAD=triton.next_power_of_2(half), REST=rest,
-        REST_PAD=triton.next_power_of_2(max(rest, 1)), ZERO_CENTERED=zero_centered,
-        num_warps=NUM_WARPS)
+        REST_PAD=triton.next_power_of_2(max(rest, 1)), BLOCK_H=block_h,
+        ZERO_CENTERED=zero_centered, num_warps=1 if block_h == 1 else 4)
     return q_out, k_out
