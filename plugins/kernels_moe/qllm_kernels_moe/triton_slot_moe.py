@@ -30,9 +30,19 @@ from qllm_kernels_moe.configs import GemmConfig
 
 
 @triton.jit
-def _expert_weights(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert):
-    """The first weight of ``expert``: the shared expert's for id ``num_experts``."""
-    return tl.where(expert == num_experts, shared_w_ptr, w_ptr + expert * stride_w_expert)
+def _slot_weight_tile(ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_expert,
+                      stride_w_row, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's slot, its ``BLOCK_N`` weight rows of the slot's expert (the shared
+    expert's for id ``num_experts``) and their first ``BLOCK_K`` columns:
+    ``(slot, rows [BN], row_mask [BN], ks [BK], w_ptrs [BN, BK])``."""
+    slot = tl.program_id(0)
+    expert = tl.load(ids_ptr + slot)
+    expert_w_ptr = tl.where(expert == num_experts, shared_w_ptr,
+                            w_ptr + expert * stride_w_expert)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = expert_w_ptr + rows[:, None] * stride_w_row + ks[None, :]  # [BN, BK]
+    return slot, rows, rows < N, ks, w_ptrs
 
 
 @triton.jit
@@ -41,14 +51,10 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
                          TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` for slot ``s`` of token
     ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``)."""
-    slot = tl.program_id(0)
-    expert = tl.load(ids_ptr + slot)
-    expert_w_ptr = _expert_weights(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    row_mask = rows < N
-    ks = tl.arange(0, BLOCK_K)
+    slot, rows, row_mask, ks, gate_ptrs = _slot_weight_tile(
+        ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_expert, stride_w_row, BLOCK_N,
+        BLOCK_K)  # gate_ptrs: [BN, BK]
     x_ptrs = x_ptr + (slot // TOP_K) * stride_x_row + ks  # [BK]
-    gate_ptrs = expert_w_ptr + rows[:, None] * stride_w_row + ks[None, :]  # [BN, BK]
     up_ptrs = gate_ptrs + N * stride_w_row
     gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -72,14 +78,10 @@ def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weights_
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``out[s, n] = round(routing_weights[s] * (hidden[s] . w[e, n]))`` for slot ``s`` routed
     to expert ``e`` (``num_experts``: ``shared_w``); ``round`` to ``out``'s dtype."""
-    slot = tl.program_id(0)
-    expert = tl.load(ids_ptr + slot)
-    expert_w_ptr = _expert_weights(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    row_mask = rows < N
-    ks = tl.arange(0, BLOCK_K)
+    slot, rows, row_mask, ks, w_ptrs = _slot_weight_tile(
+        ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_expert, stride_w_row, BLOCK_N,
+        BLOCK_K)  # w_ptrs: [BN, BK]
     h_ptrs = hidden_ptr + slot * K + ks  # [BK]
-    w_ptrs = expert_w_ptr + rows[:, None] * stride_w_row + ks[None, :]  # [BN, BK]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         k_mask = ks < K - k_start
