@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+FLOAT_DTYPES = HALF_DTYPES + (torch.float32,)
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 

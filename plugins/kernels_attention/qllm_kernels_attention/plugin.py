@@ -21,7 +21,7 @@ import importlib.util
 import torch
 
 from qllm.hookspecs import hookimpl
-from qllm.specs import HALF_DTYPES, KernelSpec, triton_on_cuda
+from qllm.specs import FLOAT_DTYPES, HALF_DTYPES, KernelSpec, triton_on_cuda
 from qllm_kernels_attention import ops
 
 HAS_FLASH_ATTN = any(importlib.util.find_spec(name) for name in ("vllm_flash_attn", "flash_attn"))
@@ -34,7 +34,7 @@ def _triton_specs() -> list[KernelSpec]:
         KernelSpec(op="paged_attention_prefill", name="triton", fn=ops.paged_attention_prefill,
                    priority=10, is_available=triton_on_cuda()),
         KernelSpec(op="qk_norm_rope", name="triton", fn=ops.qk_norm_rope, priority=10,
-                   is_available=triton_on_cuda(HALF_DTYPES + (torch.float32,))),
+                   is_available=triton_on_cuda(FLOAT_DTYPES)),
     ]
 
 

@@ -17,12 +17,12 @@ import importlib.util
 import torch
 
 from qllm.hookspecs import hookimpl
-from qllm.specs import HALF_DTYPES, KernelSpec, triton_on_cuda
+from qllm.specs import FLOAT_DTYPES, KernelSpec, triton_on_cuda
 from qllm_kernels_gdn import ops
 
 HAS_FLA = importlib.util.find_spec("fla") is not None
 # The Triton kernels take any float activation dtype.
-triton_available = triton_on_cuda(HALF_DTYPES + (torch.float32,))
+triton_available = triton_on_cuda(FLOAT_DTYPES)
 
 
 def fla_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -92,7 +92,8 @@ class GatedDeltaNet(nn.Module):
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
-        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.qkv_sizes = [self.key_dim, self.key_dim, self.value_dim]  # the conv channels
+        self.conv_dim = sum(self.qkv_sizes)
         self.conv_kernel_size = config.linear_conv_kernel_dim
         self.conv_dtype, self.ssm_dtype = conv_dtype, ssm_dtype
 
@@ -133,12 +134,12 @@ class GatedDeltaNet(nn.Module):
         """``hidden [T, H]`` -> ``[T, H]``."""
         qkv, z, b, a = self.in_proj.split(self.in_proj(hidden))
         conv_weight = self.conv1d.weight[:, 0, :]  # [C, K]
-        sizes = [self.key_dim, self.key_dim, self.value_dim]
         if batch.is_prefill:  # each of q, k, v contiguous, as chunked kernels read them
-            q, k, v = self._conv_prefill(qkv, conv_weight, self.conv_state, batch, sizes)
+            q, k, v = self._conv_prefill(qkv, conv_weight, self.conv_state, batch,
+                                         self.qkv_sizes)
         else:
             q, k, v = self._conv_update(qkv, conv_weight, self.conv_state, batch).split(
-                sizes, dim=-1)  # views of [B, C]
+                self.qkv_sizes, dim=-1)  # views of [B, C]
         q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))  # [T, Hk, dk]
         k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))  # [T, Hk, dk]
         v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))  # [T, Hv, dv]
