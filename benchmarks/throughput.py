@@ -103,14 +103,18 @@ class StepTimeline:
         engine.scheduler.schedule, engine.step = recording_schedule, timed_step
 
     def summary(self) -> dict:
-        """Per kind: steps, seconds, tokens; for decode also the mean batch and the time
-        spent in steps of under 64 sequences (the tail of a run)."""
+        """Per kind: steps, seconds, tokens; for prefill also each step's seconds (a slow
+        first step shows a compile the warm-up missed); for decode the mean batch and the
+        time spent in steps of under 64 sequences (the tail of a run)."""
         out = {}
         for kind in ("prefill", "decode", "none"):
             rows = [r for r in self.rows if r[0] == kind]
             if rows:
                 out[kind] = {"steps": len(rows), "seconds": round(sum(r[3] for r in rows), 3),
                              "tokens": sum(r[2] for r in rows)}
+        prefill = [r for r in self.rows if r[0] == "prefill"]
+        if prefill:
+            out["prefill"]["step_seconds"] = [round(r[3], 3) for r in prefill]
         decode = [r for r in self.rows if r[0] == "decode"]
         if decode:
             out["decode"]["mean_batch"] = round(sum(r[1] for r in decode) / len(decode), 1)
