@@ -5,20 +5,26 @@ GPU to refine it (``candidates``). Both live here so a sweep result maps straigh
 The kernel is memory-bound: it must stream the ``[N, K]`` weight once at full bandwidth. Each
 program reads ``BLOCK_N`` weight rows ``BLOCK_K`` columns at a time (contiguous, 16-byte loads)
 and keeps a ``[BLOCK_M, BLOCK_N, BLOCK_K]`` fp32 accumulator it reduces over K once, at the
-end. The rule's reasoning:
+end. The rule's reasoning, refined by the sweep at one row on the H200 (2026-11-30):
 
-- ``BLOCK_K = 256 * num_warps``: one warp's 32 threads x 8 elements span 256 columns, and the
-  warps lie side by side along K. Each thread then holds the same columns of every weight row
-  and of every ``x`` row, so ``x``'s load needs no layout conversion (compiled for sm_90: with
-  fewer columns per warp, Triton moves ``x`` through shared memory, with a barrier, in every
-  loop step); the sweep's candidates keep ``BLOCK_K`` a multiple of ``256 * num_warps``;
+- ``BLOCK_K = 2 * 256 * num_warps``: one warp's 32 threads x 8 elements span 256 columns, and
+  the warps lie side by side along K, each spanning its columns twice per step (two 16-byte
+  loads per thread and row in flight). Each thread then holds the same columns of every
+  weight row and of every ``x`` row, so ``x``'s load needs no layout conversion (compiled for
+  sm_90: with fewer columns per warp, Triton moves ``x`` through shared memory, with a
+  barrier, in every loop step). The sweep's candidates keep ``BLOCK_K`` a multiple of
+  ``256 * num_warps``;
 - enough programs to fill the GPU (``MIN_PROGRAMS``): small ``N`` (the MoE router's 264 rows)
   takes fewer rows per program instead of a split-K, which would need a second launch or
   atomics to combine partial sums;
-- a bounded accumulator: ``BLOCK_M * BLOCK_N * 8`` fp32 registers per thread, at most
-  ``ACC_REGISTERS`` (8 rows at batch 1 compile to 96 registers, no spills, on sm_90);
-- loads one step ahead (``num_stages=2``: ``cp.async`` into shared memory) so that a program
-  has two steps of its rows in flight; a guess for the sweep to confirm.
+- a bounded accumulator: ``BLOCK_M * BLOCK_N * BLOCK_K / (32 * num_warps)`` fp32 registers
+  per thread, at most ``ACC_REGISTERS``;
+- no software pipelining (``num_stages=1``): the loads go straight to registers. Staging
+  them through shared memory (``cp.async``, 2 or 3 stages) lost at every shape of the sweep.
+
+Measured (``bench_linear.py --sweep --rows 1``, L2 flushed, us, rule before -> this rule's
+config): ``[2048, 4096]`` 12.64 -> 10.91, ``[264, 2048]`` 6.88 -> about 6.4, ``[12352,
+2048]`` 21.95 -> 18.50, ``[9216, 2048]`` 18.11 -> 15.62; cuBLAS 13.95, 9.15, 22.82, 18.46.
 
 The vector of 8 elements assumes fp16 / bf16 (the dtypes the plugin serves); fp32 (the
 interpreter tests) is served correctly, 8 elements being two 16-byte loads.
@@ -54,6 +60,7 @@ MAX_BLOCK_N = 8
 MAX_WARPS = 4
 THREAD_VECTOR = 8  # elements of a 16-byte load of fp16 / bf16
 WARP_COLUMNS = 32 * THREAD_VECTOR  # columns one warp spans
+WARP_SPANS = 2  # times each warp spans its columns per loop step
 
 
 @dataclass(frozen=True)
@@ -80,16 +87,17 @@ def block_m(m: int) -> int:
 
 def default_config(m: int, n: int, k: int) -> GemvConfig:
     """The rule for ``m <= MAX_GEMV_ROWS`` rows and ``weight [n, k]`` (see the module
-    docstring). At batch 1: ``[2048, 4096]``, ``[12352, 2048]`` and ``[9216, 2048]`` take 8
-    rows x 1,024 columns per program (4 warps), ``[264, 2048]`` 2 rows (132 programs)."""
+    docstring). At batch 1: ``[2048, 4096]``, ``[12352, 2048]`` and ``[9216, 2048]`` take 4
+    rows x 2,048 columns per program (4 warps), ``[264, 2048]`` 2 rows (132 programs)."""
     rows = block_m(m)
+    warps = max(1, min(MAX_WARPS, next_power_of_2(k) // WARP_COLUMNS))
+    block_k = max(16, min(next_power_of_2(k), WARP_SPANS * WARP_COLUMNS * warps))
+    registers_per_row = max(1, block_k // (32 * warps))  # per (input row, weight row)
     block_n = MAX_BLOCK_N
     while block_n > 1 and (-(-n // block_n) < MIN_PROGRAMS
-                           or rows * block_n * THREAD_VECTOR > ACC_REGISTERS):
+                           or rows * block_n * registers_per_row > ACC_REGISTERS):
         block_n //= 2
-    warps = max(1, min(MAX_WARPS, next_power_of_2(k) // WARP_COLUMNS))
-    block_k = max(16, min(next_power_of_2(k), WARP_COLUMNS * warps))
-    return GemvConfig(block_n, block_k, warps, num_stages=2)
+    return GemvConfig(block_n, block_k, warps, num_stages=1)
 
 
 # The sweep's grid: per warp count, BLOCK_K of one or two warp spans per warp (no layout
