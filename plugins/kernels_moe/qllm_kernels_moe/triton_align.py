@@ -27,6 +27,11 @@ from qllm_kernels_moe.align import SortedSlots, max_padded_slots
 MAX_SLOTS = 512 * 9  # decode batches of up to 512 tokens at top-8 plus the shared expert
 CHUNK = 4096  # slots per program past MAX_SLOTS
 NUM_WARPS = 4
+# Vector widths of the loops over blocks and over earlier chunks. They are fixed, not sized to
+# the step: a launch parameter that follows the slot count would compile a kernel variant per
+# size class, in the middle of serving (W2's last prefill step lost about 0.5 s to one).
+BLOCK_VECTOR = 128
+CHUNK_VECTOR = 64
 # Vectors at least one element per thread: tl.histogram has miscounted with replicated layouts.
 MIN_VECTOR = 32 * NUM_WARPS
 
@@ -34,7 +39,7 @@ MIN_VECTOR = 32 * NUM_WARPS
 @triton.jit
 def _write_run(slots_ptr, block_experts_ptr, num_blocks_ptr, ids, position, rank_base, counts,
                expert, num_slots, num_experts, padded_blocks, WRITE_RUN_TAIL,
-               BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, B_PAD: tl.constexpr):
+               BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
     """Place ``expert``'s slots among ``ids [S]`` (slot ids ``position``) at its run's start
     plus ``rank_base`` plus their rank, from every expert's ``counts [E_PAD]``. With
     ``WRITE_RUN_TAIL`` also its run's padding and blocks (and, for expert 0, the used count and
@@ -55,20 +60,24 @@ def _write_run(slots_ptr, block_experts_ptr, num_blocks_ptr, ids, position, rank
         tail = run_start + count + tl.arange(0, BLOCK_M)  # [BM]
         tl.store(slots_ptr + tail, tl.full([BLOCK_M], 0, tl.int64) + num_slots,
                  mask=tail < run_start + run_blocks * BLOCK_M)
-        block = tl.arange(0, B_PAD)  # [B]
-        tl.store(block_experts_ptr + run_start // BLOCK_M + block,
-                 tl.full([B_PAD], 0, tl.int64) + expert, mask=block < run_blocks)
+        for base in range(0, run_blocks, BLOCK_VECTOR):
+            block = base + tl.arange(0, BLOCK_VECTOR)  # [B]
+            tl.store(block_experts_ptr + run_start // BLOCK_M + block,
+                     tl.full([BLOCK_VECTOR], 0, tl.int64) + expert, mask=block < run_blocks)
         if expert == 0:  # blocks past the used ones name no expert
             total = tl.sum(blocks, axis=0)
             tl.store(num_blocks_ptr, total.to(tl.int64))
-            tl.store(block_experts_ptr + block, tl.full([B_PAD], 0, tl.int64) + num_experts,
-                     mask=(block >= total) & (block < padded_blocks))
+            for base in range(total, padded_blocks, BLOCK_VECTOR):
+                block = base + tl.arange(0, BLOCK_VECTOR)  # [B]
+                tl.store(block_experts_ptr + block,
+                         tl.full([BLOCK_VECTOR], 0, tl.int64) + num_experts,
+                         mask=block < padded_blocks)
 
 
 @triton.jit
 def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, num_blocks_ptr, num_slots,
                   num_experts, padded_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                  S_PAD: tl.constexpr, B_PAD: tl.constexpr):
+                  S_PAD: tl.constexpr):
     """All slots in one program per expert."""
     expert = tl.program_id(0)
     position = tl.arange(0, S_PAD)  # [S]
@@ -76,7 +85,7 @@ def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, num_blocks_ptr, num_slo
     ids = tl.load(ids_ptr + position, mask=position < num_slots, other=E_PAD - 1).to(tl.int32)
     _write_run(slots_ptr, block_experts_ptr, num_blocks_ptr, ids, position, 0,
                tl.histogram(ids, E_PAD), expert, num_slots, num_experts, padded_blocks, True,
-               BLOCK_M, E_PAD, B_PAD)
+               BLOCK_M, E_PAD)
 
 
 @triton.jit
@@ -95,20 +104,21 @@ def _chunk_counts_kernel(ids_ptr, chunk_counts_ptr, totals_ptr, num_slots,
 @triton.jit
 def _align_chunk_kernel(ids_ptr, chunk_counts_ptr, totals_ptr, slots_ptr, block_experts_ptr,
                         num_blocks_ptr, num_slots, num_experts, padded_blocks,
-                        BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                        C_PAD: tl.constexpr, B_PAD: tl.constexpr):
+                        BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """Expert ``e``'s slots of chunk ``c``, after its slots of the earlier chunks."""
     expert = tl.program_id(0)
     chunk = tl.program_id(1)
-    earlier = tl.arange(0, C_PAD)  # [C]
-    earlier_counts = tl.load(chunk_counts_ptr + earlier * E_PAD + expert, mask=earlier < chunk,
-                             other=0)  # [C]
+    earlier_counts = tl.zeros([CHUNK_VECTOR], tl.int32)  # [C]
+    for base in range(0, chunk, CHUNK_VECTOR):
+        earlier = base + tl.arange(0, CHUNK_VECTOR)  # [C]
+        earlier_counts += tl.load(chunk_counts_ptr + earlier * E_PAD + expert,
+                                  mask=earlier < chunk, other=0)
     position = chunk * CHUNK + tl.arange(0, CHUNK)  # [S]
     ids = tl.load(ids_ptr + position, mask=position < num_slots, other=E_PAD - 1).to(tl.int32)
     totals = tl.load(totals_ptr + tl.arange(0, E_PAD))  # [E]
     _write_run(slots_ptr, block_experts_ptr, num_blocks_ptr, ids, position,
                tl.sum(earlier_counts, axis=0), totals, expert, num_slots, num_experts,
-               padded_blocks, chunk == 0, BLOCK_M, E_PAD, B_PAD)
+               padded_blocks, chunk == 0, BLOCK_M, E_PAD)
 
 
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> SortedSlots:
@@ -122,13 +132,11 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     block_experts = torch.empty(padded // block_m, dtype=torch.int64, device=device)
     num_blocks = torch.empty(1, dtype=torch.int64, device=device)
     expert_pad = max(triton.next_power_of_2(num_experts + 1), MIN_VECTOR)
-    block_pad = triton.next_power_of_2(padded // block_m)
     if num_slots <= MAX_SLOTS:
         _align_kernel[(num_experts,)](
             ids, slots, block_experts, num_blocks, num_slots, num_experts, padded // block_m,
             BLOCK_M=block_m, E_PAD=expert_pad,
-            S_PAD=max(triton.next_power_of_2(num_slots), MIN_VECTOR), B_PAD=block_pad,
-            num_warps=NUM_WARPS)
+            S_PAD=max(triton.next_power_of_2(num_slots), MIN_VECTOR), num_warps=NUM_WARPS)
         return SortedSlots(slots, block_experts, num_blocks)
     chunks = triton.cdiv(num_slots, CHUNK)
     chunk_counts = torch.empty(chunks, expert_pad, dtype=torch.int32, device=device)
@@ -137,6 +145,5 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
                                     CHUNK=CHUNK, num_warps=NUM_WARPS)
     _align_chunk_kernel[(num_experts, chunks)](
         ids, chunk_counts, totals, slots, block_experts, num_blocks, num_slots, num_experts,
-        padded // block_m, BLOCK_M=block_m, E_PAD=expert_pad, CHUNK=CHUNK,
-        C_PAD=triton.next_power_of_2(chunks), B_PAD=block_pad, num_warps=NUM_WARPS)
+        padded // block_m, BLOCK_M=block_m, E_PAD=expert_pad, CHUNK=CHUNK, num_warps=NUM_WARPS)
     return SortedSlots(slots, block_experts, num_blocks)
