@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -9,9 +10,12 @@ import torch
 
 from helpers import require_qwen3_plugin, save_tiny_qwen3
 from qllm.default_model import qwen3_tokenizer_dir
+from triton_launches import LOG_ENV, record_launches
 
 
 def pytest_configure(config):
+    if os.environ.get(LOG_ENV):  # the interpreter run of kernel_testing.run_interpreted_tests
+        record_launches(os.environ[LOG_ENV])
     if not torch.cuda.is_available():
         # transformers' Qwen3.5 / Qwen3-Next use fla's Triton kernels whenever `fla` imports,
         # and those cannot run on a CPU: keep the reference on its torch path.

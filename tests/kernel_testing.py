@@ -1,6 +1,7 @@
 """Shared scaffolding of the GPU-kernel test files: skip markers, and the Triton-interpreter run
 that checks the kernels on CPU tensors in a subprocess (``TRITON_INTERPRET`` must be set before
-triton is imported)."""
+triton is imported), then compiles each of its kernel launches for the GPU
+(``triton_launches``)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+
+import triton_launches
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Before 3.7 the interpreter calls int() on 1-element arrays, which NumPy >= 2.4 refuses.
@@ -33,14 +38,24 @@ def interpreter_driver(test):
 
 
 def run_interpreted_tests(test_file: str, *pytest_args: str) -> None:
-    """Run ``test_file``'s ``interpreted`` tests under the Triton interpreter; all must pass."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", test_file, "-q", "-k", "interpreted",
-         "-p", "no:cacheprovider", *pytest_args],
-        env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    """Run ``test_file``'s ``interpreted`` tests under the Triton interpreter; all must pass.
+    Then every distinct kernel launch they made must compile for sm_90 (the interpreter
+    accepts code the compiler rejects)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "launches.jsonl"
+        env = {**os.environ, "TRITON_INTERPRET": "1", triton_launches.LOG_ENV: str(log),
+               "PYTHONPATH": os.pathsep.join(sys.path)}
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", test_file, "-q", "-k", "interpreted",
+             "-p", "no:cacheprovider", *pytest_args],
+            env=env, capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+        assert " passed" in result.stdout and " failed" not in result.stdout
+        assert log.exists(), "the interpreted tests launched no qllm kernel"
+        env = {key: value for key, value in env.items() if key != "TRITON_INTERPRET"}
+        compiled = subprocess.run([sys.executable, triton_launches.__file__, str(log)],
+                                  env=env, capture_output=True, text=True, timeout=900)
+        assert compiled.returncode == 0, compiled.stdout[-6000:] + compiled.stderr[-3000:]
 
 
 def graphs_traced_by(run) -> list[torch.fx.GraphModule]:

@@ -30,8 +30,8 @@ NUM_WARPS = 4
 # Vector widths of the loops over blocks and over earlier chunks. They are fixed, not sized to
 # the step: a launch parameter that follows the slot count would compile a kernel variant per
 # size class, in the middle of serving (W2's last prefill step lost about 0.5 s to one).
-BLOCK_VECTOR = 128
-CHUNK_VECTOR = 64
+BLOCK_VECTOR = tl.constexpr(128)
+CHUNK_VECTOR = tl.constexpr(64)
 # Vectors at least one element per thread: tl.histogram has miscounted with replicated layouts.
 MIN_VECTOR = 32 * NUM_WARPS
 
