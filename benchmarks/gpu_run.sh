@@ -13,6 +13,8 @@
 #   Qwen3.5-35B-A3B projection shapes (JSON lines, best config per shape and row count);
 #   w1, w2, w3: throughput.py, then a decode-step profile
 #   on the same engine (W1 batch 256 x 1,100, W2 200 x 2,000, W3 1 x 512; files in $OUT);
+#   w2-no-pdl, w3-no-pdl: W2 and W3 (no profile) with every kernel launched without
+#   programmatic dependent launch (QLLM_PDL=0), the A/B baseline of qllm.launch;
 #   w3-cublas: W3 with the projections on cuBLAS (the linear op pinned to torch), the GEMV's
 #   baseline; w3-autotune: the same with Inductor's GEMM autotuning in the decode layers;
 #   w1-peer, w2-peer, w3-peer:
@@ -100,6 +102,10 @@ for stage in "$@"; do
         w3) run w3 200 python3 benchmarks/throughput.py --workload w3 --max-num-seqs 1 \
                 --max-model-len 1024 --recurrent-state-dtype bfloat16 \
                 --profile-decode 1 512 --profile-out "$out" ;;
+        w2-no-pdl) QLLM_PDL=0 run w2_no_pdl 300 python3 benchmarks/throughput.py --workload w2 \
+                       --max-num-seqs 200 --max-model-len 3072 --recurrent-state-dtype bfloat16 ;;
+        w3-no-pdl) QLLM_PDL=0 run w3_no_pdl 200 python3 benchmarks/throughput.py --workload w3 \
+                       --max-num-seqs 1 --max-model-len 1024 --recurrent-state-dtype bfloat16 ;;
         w3-cublas) run w3_cublas 200 python3 benchmarks/throughput.py --workload w3 \
                        --max-num-seqs 1 --max-model-len 1024 --recurrent-state-dtype bfloat16 \
                        --kernel linear=torch ;;

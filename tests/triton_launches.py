@@ -6,7 +6,8 @@ test and still fail to compile on the GPU. ``record_launches``, switched on in t
 run by ``LOG_ENV``, writes each launch of a qllm kernel as a JSON line: the kernel, its
 argument types, its constexpr values and the launch options. ``compile_launches`` then compiles
 each distinct launch through Triton's ahead-of-time path for an sm_90 target (the triton wheel
-ships ptxas), without a GPU. Run as a script on a log: ``python tests/triton_launches.py LOG``.
+ships ptxas), without a GPU; a kernel with a ``USE_PDL`` switch also with PDL on, which the
+interpreter cannot run. Run as a script on a log: ``python tests/triton_launches.py LOG``.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 LOG_ENV = "QLLM_TRITON_LAUNCH_LOG"
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl")
+PDL_SWITCH = "USE_PDL"  # a kernel's programmatic-dependent-launch constexpr (qllm.launch)
 RECORDED_MODULES = "qllm"  # the project's kernels: qllm and its plugins (qllm_kernels_*)
 
 
@@ -63,33 +67,46 @@ def describe_launch(fn, args: tuple, kwargs: dict) -> dict:
 
 
 def compile_launches(log_path: str) -> tuple[int, list[str]]:
-    """Compile each distinct launch in ``log_path`` for sm_90: the number of launches and one
-    message per launch that failed to compile."""
+    """Compile each distinct launch in ``log_path`` for sm_90, on every CPU core: the number
+    of launches and one message per launch that failed to compile."""
+    launches = set(Path(log_path).read_text().splitlines())
+    launches |= {with_pdl for line in launches if (with_pdl := _with_pdl(line))}
+    with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+        failures = [failure for failure in pool.map(_compile, sorted(launches)) if failure]
+    return len(launches), failures
+
+
+def _compile(line: str) -> str | None:
+    """Compile the launch of one log line for sm_90: ``None``, or why it failed."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    target = GPUTarget("cuda", 90, 32)
-    launches = sorted(set(Path(log_path).read_text().splitlines()))
-    failures = []
-    for line in launches:
-        launch = json.loads(line)
-        kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
-        while not isinstance(kernel, JITFunction):  # under triton.autotune / heuristics
-            kernel = kernel.fn
-        names = kernel.arg_names
-        signature = {name: launch["signature"].get(name, "constexpr") for name in names}
-        constexprs = {(names.index(name),): value
-                      for name, value in launch["constexprs"].items()}
-        try:
-            triton.compile(ASTSource(kernel, signature, constexprs), target=target,
-                           options=launch["options"])
-        except Exception as error:  # every failure is reported, with its launch
-            failures.append(f"{launch['module']}.{launch['kernel']} constexprs "
-                            f"{launch['constexprs']} options {launch['options']}: "
-                            f"{type(error).__name__}: {error}")
-    return len(launches), failures
+    launch = json.loads(line)
+    kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+    while not isinstance(kernel, JITFunction):  # under triton.autotune / heuristics
+        kernel = kernel.fn
+    names = kernel.arg_names
+    signature = {name: launch["signature"].get(name, "constexpr") for name in names}
+    constexprs = {(names.index(name),): value for name, value in launch["constexprs"].items()}
+    try:
+        triton.compile(ASTSource(kernel, signature, constexprs),
+                       target=GPUTarget("cuda", 90, 32), options=launch["options"])
+    except Exception as error:  # every failure is reported, with its launch
+        return (f"{launch['module']}.{launch['kernel']} constexprs {launch['constexprs']} "
+                f"options {launch['options']}: {type(error).__name__}: {error}")
+    return None
+
+
+def _with_pdl(line: str) -> str | None:
+    """The launch of ``line`` with PDL on, if its kernel has the switch."""
+    launch = json.loads(line)
+    if PDL_SWITCH not in launch["constexprs"]:
+        return None
+    launch["constexprs"][PDL_SWITCH] = True
+    launch["options"]["launch_pdl"] = True
+    return json.dumps(launch, sort_keys=True)
 
 
 def main() -> int:

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qllm.launch import use_pdl
+
 # Up to this many tokens (decode batches) a program takes one head: one program per token walked
 # Qwen3.5's 18 heads latency-bound (4.7 us at 1 token, 4.6 at 200). Prefill steps keep a
 # program per token, not hundreds of thousands of one-warp programs.
@@ -44,9 +46,12 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_wei
                          HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                          HALF: tl.constexpr, HALF_PAD: tl.constexpr, REST: tl.constexpr,
                          REST_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-                         ZERO_CENTERED: tl.constexpr):
+                         ZERO_CENTERED: tl.constexpr, USE_PDL: tl.constexpr):
     """Program ``(t, g)``: heads ``[g * BLOCK_H, (g + 1) * BLOCK_H)`` of token ``t``, counting
     the ``HQ`` q heads first, then the ``HK`` k heads."""
+    if USE_PDL:  # before reading the previous kernel's output (qllm.launch)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [H]
     is_q = heads < HQ
@@ -103,11 +108,13 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     heads = num_q_heads + num_k_heads
     # decode: a program per head; prefill: a program per token, every head at once
     block_h = 1 if tokens <= PER_HEAD_MAX_TOKENS else triton.next_power_of_2(heads)
+    pdl = use_pdl(q.device)
     _qk_norm_rope_kernel[(tokens, triton.cdiv(heads, block_h))](
         q, k, q_out, k_out, q_weight, k_weight, cos_sin, positions, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
         HQ=num_q_heads, HK=num_k_heads, D=dim,
         HALF=half, HALF_PAD=triton.next_power_of_2(half), REST=rest,
         REST_PAD=triton.next_power_of_2(max(rest, 1)), BLOCK_H=block_h,
-        ZERO_CENTERED=zero_centered, num_warps=1 if block_h == 1 else 4)
+        ZERO_CENTERED=zero_centered, USE_PDL=pdl, num_warps=1 if block_h == 1 else 4,
+        launch_pdl=pdl)
     return q_out, k_out

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qllm.launch import use_pdl
+
 UPDATE_BLOCK_C = 256
 PREFILL_BLOCK_T = 32
 PREFILL_BLOCK_C = 128
@@ -35,8 +37,11 @@ def _conv_update_kernel(
     num_channels,
     stride_x_tok, stride_x_chan, stride_w_chan, stride_w_tap,
     stride_s_slot, stride_s_chan, stride_s_tap, stride_out_tok,
-    KERNEL: tl.constexpr, BLOCK_C: tl.constexpr,
+    KERNEL: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # before reading the previous kernel's output (qllm.launch)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
     mask = chans < num_channels
@@ -144,12 +149,14 @@ def conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     batch, channels = x.shape
     out = x.new_empty(batch, channels)
     grid = (batch, triton.cdiv(channels, block_c))
+    pdl = use_pdl(x.device)
     _conv_update_kernel[grid](
         x, weight, conv_state, out, slots, has_state,
         channels,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), out.stride(0),
-        KERNEL=weight.shape[1], BLOCK_C=block_c, num_warps=num_warps)
+        KERNEL=weight.shape[1], BLOCK_C=block_c, USE_PDL=pdl, num_warps=num_warps,
+        launch_pdl=pdl)
     return out
 
 

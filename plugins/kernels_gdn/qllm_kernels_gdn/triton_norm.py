@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qllm.launch import use_pdl
+
 ELEMENTS_PER_PROGRAM = 2048  # rows per program: this many elements over the row length
 NUM_WARPS = 4
 
@@ -21,7 +23,11 @@ NUM_WARPS = 4
 @triton.jit
 def _rms_norm_gated_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, rows, heads, eps,
                            stride_x_tok, stride_x_head, stride_g_tok, stride_g_head,
-                           D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                           D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                           USE_PDL: tl.constexpr):
+    if USE_PDL:  # before reading the previous kernel's output (qllm.launch)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [R]: (token, head) pairs
     dims = tl.arange(0, BLOCK_D)  # [D]
     mask = (row < rows)[:, None] & (dims < D)[None, :]  # [R, D]
@@ -52,8 +58,10 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     rows = tokens * heads
     if rows == 0:
         return out
+    pdl = use_pdl(x.device)
     _rms_norm_gated_kernel[(triton.cdiv(rows, block_r),)](
         x, gate, weight, out, rows, heads, eps,
         x.stride(0), x.stride(1), gate.stride(0), gate.stride(1),
-        D=dim, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=NUM_WARPS)
+        D=dim, BLOCK_R=block_r, BLOCK_D=block_d, USE_PDL=pdl, num_warps=NUM_WARPS,
+        launch_pdl=pdl)
     return out

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qllm.launch import use_pdl
+
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus's: above it, softplus(x) is x
 MIN_PROGRAMS = 512  # below this many programs at the wider block, the narrower one fills the SMs
@@ -43,8 +45,12 @@ def _gated_delta_rule_kernel(
     stride_out_tok, stride_out_head,
     stride_s_slot, stride_s_head, stride_s_k, stride_s_v,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    # the kernel before may be this one, on the same state (qllm.launch): wait first
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     block_v = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -147,6 +153,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
     block_v, num_warps = block_v or default_block_v, num_warps or default_warps
     grid = (triton.cdiv(dv, block_v), num_v_heads, num_seqs)
     A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()  # [Hv], read at the head
+    pdl = use_pdl(v.device)
     _gated_delta_rule_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, out, ssm_state,
         cu_seqlens, slots, has_state,
@@ -157,5 +164,5 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
         GROUP=num_v_heads // q.shape[1], DK=dk, DV=dv,
         BK=triton.next_power_of_2(dk), BV=block_v, VARLEN=cu_seqlens is not None,
-        num_warps=num_warps)
+        USE_PDL=pdl, num_warps=num_warps, launch_pdl=pdl)
     return out

@@ -10,7 +10,8 @@ the loads set the layout of the product (each thread holding all ``BLOCK_M`` row
 weight elements) instead of being converted into it (and with ``BLOCK_K = 256 * num_warps``,
 see ``configs``, ``x``'s own load layout is the product's too). Bias is added in fp32 in the
 epilogue; the output is rounded once to ``x.dtype``. The launch depends on shapes only (no
-host sync).
+host sync). Launched with PDL (``qllm.launch``), a program loads its first weight tile before
+it waits for the kernel that wrote ``x``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qllm.launch import use_pdl
 from qllm_kernels_linear.configs import MAX_GEMV_ROWS, GemvConfig, block_m, default_config
 
 
@@ -27,7 +29,7 @@ from qllm_kernels_linear.configs import MAX_GEMV_ROWS, GemvConfig, block_m, defa
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
                  stride_xm, stride_xk, stride_wn, stride_b, stride_om,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                 BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)                                   # [BM]
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)      # [BN]
     offs_k = tl.arange(0, BLOCK_K)                                   # [BK]
@@ -37,14 +39,22 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
               + offs_k[None, None, :])                               # [1, BN, BK]
     x_rows = offs_m[:, None, None] < M
     w_rows = offs_n[None, :, None] < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        cols = offs_k[None, None, :] < K - k                         # [1, 1, BK]
-        x = tl.load(x_ptrs, mask=x_rows & cols, other=0.0, eviction_policy="evict_last")
-        w = tl.load(w_ptrs, mask=w_rows & cols, other=0.0, eviction_policy="evict_first")
-        acc += x.to(tl.float32) * w.to(tl.float32)                   # [BM, BN, BK]
+    # the first K step's weights (no kernel writes them) load before the wait for the kernel
+    # that wrote x (qllm.launch)
+    cols = offs_k[None, None, :] < K                                 # [1, 1, BK]
+    w = tl.load(w_ptrs, mask=w_rows & cols, other=0.0, eviction_policy="evict_first")
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    x = tl.load(x_ptrs, mask=x_rows & cols, other=0.0, eviction_policy="evict_last")
+    acc = x.to(tl.float32) * w.to(tl.float32)                        # [BM, BN, BK]
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K
+        cols = offs_k[None, None, :] < K - k
+        x = tl.load(x_ptrs, mask=x_rows & cols, other=0.0, eviction_policy="evict_last")
+        w = tl.load(w_ptrs, mask=w_rows & cols, other=0.0, eviction_policy="evict_first")
+        acc += x.to(tl.float32) * w.to(tl.float32)
     out = tl.sum(acc, axis=2)                                        # [BM, BN]
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n * stride_b, mask=offs_n < N, other=0.0)
@@ -71,11 +81,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv: bias of shape {tuple(bias.shape)} for {n} output features")
     config = config or default_config(m, n, k)
     out = x.new_empty(m, n)
+    pdl = use_pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, config.BLOCK_N),)](
         x, weight, bias, out, m, n, k,
         x.stride(0), x.stride(1), weight.stride(0), 0 if bias is None else bias.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m(m), BLOCK_N=config.BLOCK_N,
-        BLOCK_K=config.BLOCK_K, NUM_STAGES=config.num_stages, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        BLOCK_K=config.BLOCK_K, NUM_STAGES=config.num_stages, USE_PDL=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qllm.launch import use_pdl
 from qllm_kernels_moe.align import SortedSlots, max_padded_slots
 
 MAX_SLOTS = 512 * 9  # decode batches of up to 512 tokens at top-8 plus the shared expert
@@ -77,8 +78,11 @@ def _write_run(slots_ptr, block_experts_ptr, num_blocks_ptr, ids, position, rank
 @triton.jit
 def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, num_blocks_ptr, num_slots,
                   num_experts, padded_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                  S_PAD: tl.constexpr):
+                  S_PAD: tl.constexpr, USE_PDL: tl.constexpr):
     """All slots in one program per expert."""
+    if USE_PDL:  # before reading the previous kernel's output (qllm.launch)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     expert = tl.program_id(0)
     position = tl.arange(0, S_PAD)  # [S]
     # slots past the end count in the last bin, which no expert owns (E_PAD > num_experts)
@@ -133,10 +137,12 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     num_blocks = torch.empty(1, dtype=torch.int64, device=device)
     expert_pad = max(triton.next_power_of_2(num_experts + 1), MIN_VECTOR)
     if num_slots <= MAX_SLOTS:
+        pdl = use_pdl(device)
         _align_kernel[(num_experts,)](
             ids, slots, block_experts, num_blocks, num_slots, num_experts, padded // block_m,
             BLOCK_M=block_m, E_PAD=expert_pad,
-            S_PAD=max(triton.next_power_of_2(num_slots), MIN_VECTOR), num_warps=NUM_WARPS)
+            S_PAD=max(triton.next_power_of_2(num_slots), MIN_VECTOR), USE_PDL=pdl,
+            num_warps=NUM_WARPS, launch_pdl=pdl)
         return SortedSlots(slots, block_experts, num_blocks)
     chunks = triton.cdiv(num_slots, CHUNK)
     chunk_counts = torch.empty(chunks, expert_pad, dtype=torch.int32, device=device)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qllm.launch import use_pdl
 from qllm_kernels_moe.align import SortedSlots
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
 from qllm_kernels_moe.triton_align import moe_align_triton
@@ -44,12 +45,19 @@ def _expert_gemm_kernel(
     stride_a_row, stride_w_expert, stride_w_row, stride_out_row,
     SLOTS_PER_A_ROW: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """``out[s, n] = sum_k a[s // SLOTS_PER_A_ROW, k] * w[e, n, k]`` for the slots ``s`` of one
     block of expert ``e``, and ``BLOCK_N`` columns ``n``; expert ``num_experts`` is
     ``shared_w`` (one expert's weights, same row stride). ``GATED`` (GEMM 1): ``w`` holds ``N``
     gate rows then ``N`` up rows, and ``out = silu(gate) * up``. Otherwise (GEMM 2) ``out`` is
-    scaled by ``routing_weights[s]``. Rows of ``a``, ``w``, ``out`` have unit stride."""
+    scaled by ``routing_weights[s]``. Rows of ``a``, ``w``, ``out`` have unit stride.
+
+    With PDL (``qllm.launch``), GEMM 1 waits first: the align, just before it, wrote the block
+    lists. GEMM 2 reads the block lists (two launches back, so written) before it waits for
+    GEMM 1's ``a``."""
+    if USE_PDL and GATED:
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     num_m = tl.num_programs(0) // num_n
@@ -76,6 +84,10 @@ def _expert_gemm_kernel(
     a_ptrs = a_ptr + (slots // SLOTS_PER_A_ROW)[:, None] * stride_a_row + ks[None, :]  # [BM, BK]
     w_ptrs = expert_w_ptr + cols[None, :] * stride_w_row + ks[:, None]  # [BK, BN]: w[e]^T
     up_ptrs = w_ptrs + N * stride_w_row  # GATED: the up rows, N below the gate rows
+    if USE_PDL:
+        if not GATED:
+            tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -101,9 +113,13 @@ def _expert_gemm_kernel(
 
 
 @triton.jit
-def _sum_slots_kernel(slot_out_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def _sum_slots_kernel(slot_out_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                      USE_PDL: tl.constexpr):
     """``out[t, n] = sum_j slot_out[t * TOP_K + j, n]`` in fp32, ``j`` ascending; rows of both
     are contiguous, ``N`` long."""
+    if USE_PDL:  # before reading the previous kernel's output (qllm.launch)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     col_mask = cols < N
@@ -120,8 +136,10 @@ def sum_slots(expert_out: torch.Tensor, top_k: int) -> torch.Tensor:
     slots, n = expert_out.shape
     out = expert_out.new_empty(slots // top_k, n)
     block_n = min(SUM_BLOCK_N, triton.next_power_of_2(n))
+    pdl = use_pdl(expert_out.device)
     _sum_slots_kernel[(out.shape[0], triton.cdiv(n, block_n))](
-        expert_out, out, n, TOP_K=top_k, BLOCK_N=block_n, num_warps=4)
+        expert_out, out, n, TOP_K=top_k, BLOCK_N=block_n, USE_PDL=pdl, num_warps=4,
+        launch_pdl=pdl)
     return out
 
 
@@ -130,6 +148,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, shared_w: torch.Tensor, out: torch
             config: GemmConfig, *, slots_per_a_row: int, gated: bool) -> torch.Tensor:
     n = out.shape[1]
     grid = (sorted_slots.block_experts.shape[0] * triton.cdiv(n, config.BLOCK_N),)
+    pdl = use_pdl(a.device)
     _expert_gemm_kernel[grid](
         a, w, shared_w, out, routing_weights,
         sorted_slots.slots, sorted_slots.block_experts, sorted_slots.num_blocks,
@@ -137,7 +156,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, shared_w: torch.Tensor, out: torch
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         SLOTS_PER_A_ROW=slots_per_a_row, GATED=gated,
         BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        GROUP_M=config.GROUP_M, num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUP_M=config.GROUP_M, USE_PDL=pdl, num_warps=config.num_warps,
+        num_stages=config.num_stages, launch_pdl=pdl,
     )
     return out
 

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qllm.launch import use_pdl
 from qllm_kernels_moe.configs import GemmConfig
 
 
@@ -48,9 +49,13 @@ def _slot_weight_tile(ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_exp
 @triton.jit
 def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
                          num_experts, N, K, stride_x_row, stride_w_expert, stride_w_row,
-                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` for slot ``s`` of token
     ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``)."""
+    if USE_PDL:  # the router, just before, wrote the expert ids (qllm.launch)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     slot, rows, row_mask, ks, gate_ptrs = _slot_weight_tile(
         ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_expert, stride_w_row, BLOCK_N,
         BLOCK_K)  # gate_ptrs: [BN, BK]
@@ -75,21 +80,30 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
 @triton.jit
 def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weights_ptr, out_ptr,
                       num_experts, N, K, stride_w_expert, stride_w_row,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """``out[s, n] = round(routing_weights[s] * (hidden[s] . w[e, n]))`` for slot ``s`` routed
-    to expert ``e`` (``num_experts``: ``shared_w``); ``round`` to ``out``'s dtype."""
+    to expert ``e`` (``num_experts``: ``shared_w``); ``round`` to ``out``'s dtype.
+
+    With PDL (``qllm.launch``) the expert ids and the first weight tile load before the wait
+    for the gate-up kernel's ``hidden``: the router wrote the ids two launches back."""
     slot, rows, row_mask, ks, w_ptrs = _slot_weight_tile(
         ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_expert, stride_w_row, BLOCK_N,
         BLOCK_K)  # w_ptrs: [BN, BK]
+    k_mask = ks < K
+    w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     h_ptrs = hidden_ptr + slot * K + ks  # [BK]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
-        k_mask = ks < K - k_start
-        h = tl.load(h_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]  # [1, BK]
-        w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += w.to(tl.float32) * h
+    h = tl.load(h_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]  # [1, BK]
+    acc = w.to(tl.float32) * h
+    for k_start in range(BLOCK_K, K, BLOCK_K):
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+        k_mask = ks < K - k_start
+        h = tl.load(h_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * h
     out = tl.sum(acc, axis=1) * tl.load(routing_weights_ptr + slot).to(tl.float32)
     tl.store(out_ptr + slot * N + rows, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
@@ -103,11 +117,12 @@ def slot_gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor,
     inter = w13.shape[1] // 2
     hidden = x.new_empty(tokens * top_k, inter)
     grid = (tokens * top_k, triton.cdiv(inter, config.BLOCK_N))
+    pdl = use_pdl(x.device)
     _slot_gate_up_kernel[grid](
         x, w13, shared_w13, topk_ids, hidden, w13.shape[0], inter, x.shape[1],
         x.stride(0), w13.stride(0), w13.stride(1), TOP_K=top_k,
-        BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, USE_PDL=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return hidden
 
 
@@ -122,8 +137,9 @@ def slot_down(hidden: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor,
     hidden_size = w2.shape[1]
     out = hidden.new_empty(num_slots, hidden_size)
     grid = (num_slots, triton.cdiv(hidden_size, config.BLOCK_N))
+    pdl = use_pdl(hidden.device)
     _slot_down_kernel[grid](
         hidden, w2, shared_w2, topk_ids, topk_weights, out, w2.shape[0], hidden_size, inter,
         w2.stride(0), w2.stride(1), BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out

@@ -1,0 +1,46 @@
+"""Launch settings shared by the kernel plugins' Triton kernels: programmatic dependent launch.
+
+With programmatic dependent launch (PDL, Hopper and newer) a kernel may start while the kernel
+before it in the stream is still running: once every program of that kernel has executed
+``tl.extra.cuda.gdc_launch_dependents()``, or ended. The early kernel's programs then do what
+does not depend on the kernel before (load weights, which no kernel writes) and block in
+``tl.extra.cuda.gdc_wait()`` until that kernel has ended and its writes are visible. In a
+decode step of hundreds of short kernels this overlaps each kernel's start with the tail of
+the one before.
+
+The rules every qllm kernel launched with PDL follows:
+
+- it calls ``gdc_wait()`` before it writes anything, and before it reads anything a kernel
+  may have written, with one exception below: before its wait it reads only weights;
+- it calls ``gdc_launch_dependents()`` only after its ``gdc_wait()``. So when a kernel starts,
+  everything launched before the kernel just before it has ended. The exception: inside one
+  op whose kernels run in a fixed order, a kernel that always follows another of the op's
+  kernels may read, before its wait, what was written before that kernel and that kernel
+  does not write (the op's inputs, its earlier kernels' outputs). The MoE's second GEMM reads
+  the align's block lists that way, the small-batch path's down GEMV the expert ids. A kernel
+  that may follow itself on the same buffers (the GDN recurrence on its state) waits first.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+PDL_ENV = "QLLM_PDL"  # "0" launches every kernel without PDL (for A/B measurements)
+
+
+@functools.cache
+def _supports_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether qllm's Triton kernels on ``device`` launch with PDL: a CUDA device of compute
+    capability 9.0 or newer, unless ``QLLM_PDL=0``. Pass the answer to the kernel both as its
+    ``USE_PDL`` constexpr (the waits) and as ``launch_pdl`` (the launch attribute)."""
+    if device.type != "cuda" or os.environ.get(PDL_ENV, "1") == "0":
+        return False
+    return _supports_pdl(device.index if device.index is not None
+                         else torch.cuda.current_device())
