@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qllm.launch import use_pdl
 from qllm_kernels_attention.paged import attend_tile, checked_query, kv_offsets
 
 MAX_SPLITS = 64
@@ -38,8 +39,11 @@ def _decode_split_kernel(
     stride_lse_seq, stride_lse_head,
     num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, STORE_LSE: tl.constexpr,
+    BLOCK_N: tl.constexpr, STORE_LSE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # before reading the previous kernel's output (qllm.launch)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -85,8 +89,11 @@ def _decode_merge_kernel(
     stride_lse_seq, stride_lse_head,
     stride_out_seq, stride_out_head,
     num_splits,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # before reading the previous kernel's output (qllm.launch)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -153,6 +160,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                            device=q.device)
         lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
 
+    pdl = use_pdl(q.device)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, seq_lens, block_tables, part, lse,
         scale * math.log2(math.e),
@@ -163,7 +171,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse.stride(0), lse.stride(1),
         num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE=page, STORE_LSE=num_splits > 1, **_config(head_dim),
+        PAGE=page, STORE_LSE=num_splits > 1, USE_PDL=pdl, launch_pdl=pdl, **_config(head_dim),
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, q_heads)](
@@ -172,6 +180,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
             num_splits,
-            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), USE_PDL=pdl,
+            num_warps=4, launch_pdl=pdl,
         )
     return out
