@@ -10,6 +10,10 @@ each run, as the weights of a decode step's other layers would flush it. GB/s is
 bytes over the time (against the H200's ~4.3 TB/s); ``max_err`` the largest difference from
 ``F.linear``. Prints a table, then one JSON object per row.
 
+``--inductor`` adds ``torch.compile``'s max-autotune GEMM (Inductor's Triton templates against
+cuBLAS, the faster kept; its autotuning table goes to stderr), to see at which row counts a
+Triton GEMM beats cuBLAS, e.g. at W2's 200 rows: ``--rows 200 --inductor``.
+
 ``--sweep`` times every candidate of ``configs.candidates`` per (rows, shape) through the
 launcher, checks the fastest against ``F.linear``, and prints one JSON line per (rows, shape):
 the five fastest configs, the rule's (``configs.default_config``) and cuBLAS's times, to refine
@@ -17,6 +21,7 @@ the rule. About 190 kernel variants compile on the first shapes; ``--rows`` / ``
 split a sweep over several runs.
 
     python benchmarks/bench_linear.py [--rows 1 2 4] [--shapes out_proj moe_input ...]
+    python benchmarks/bench_linear.py --rows 200 --inductor
     python benchmarks/bench_linear.py --sweep [--rows 1] [--shapes out_proj]
 """
 
@@ -50,12 +55,17 @@ def max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return round((out.float() - ref.float()).abs().max().item(), 4)
 
 
-def measure(name: str, rows: int) -> list[dict]:
-    """The op (the GEMV up to ``MAX_GEMV_ROWS`` rows) and cuBLAS on one shape."""
+def measure(name: str, rows: int, inductor: bool) -> list[dict]:
+    """The op (the GEMV up to ``MAX_GEMV_ROWS`` rows, cuBLAS above), cuBLAS and, with
+    ``inductor``, Inductor's max-autotune GEMM on one shape."""
     x, weight, _ = inputs = linear_inputs(rows, *QWEN3_5_35B_A3B_SHAPES[name], DTYPE, "cuda")
     reference = F.linear(x, weight)
+    impls = [("op", ops.linear), ("cublas", F.linear)]
+    if inductor:
+        impls.append(("inductor", torch.compile(F.linear, mode="max-autotune-no-cudagraphs",
+                                                dynamic=False)))
     result = []
-    for impl, fn in (("triton", ops.linear), ("cublas", F.linear)):
+    for impl, fn in impls:
         call = functools.partial(fn, *inputs)
         ms, eager_ms = time_ms(call, graph=True), time_ms(call, graph=False)
         result.append(dict(shape=name, rows=rows, n=weight.shape[0], k=weight.shape[1],
@@ -111,6 +121,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(QWEN3_5_35B_A3B_SHAPES),
                         choices=list(QWEN3_5_35B_A3B_SHAPES))
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--inductor", action="store_true",
+                        help="also time torch.compile's max-autotune GEMM")
     args = parser.parse_args()
     if args.sweep and max(args.rows) > MAX_GEMV_ROWS:
         parser.error(f"--sweep times the GEMV, which serves up to {MAX_GEMV_ROWS} rows")
@@ -120,7 +132,7 @@ def main() -> None:
                 print(json.dumps(sweep(name, rows)), flush=True)
         return
     print_table([row for rows in args.rows for name in args.shapes
-                 for row in measure(name, rows)], COLUMNS)
+                 for row in measure(name, rows, args.inductor)], COLUMNS)
 
 
 if __name__ == "__main__":

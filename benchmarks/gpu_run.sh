@@ -11,6 +11,8 @@
 #   linear (GEMV) plugin's tests);
 #   kernels: kernel micro-benchmarks; bench-linear: the GEMV's launch-config sweep at the
 #   Qwen3.5-35B-A3B projection shapes (JSON lines, best config per shape and row count);
+#   bench-linear-200: those shapes at W2's 200 rows, cuBLAS against Inductor's max-autotune
+#   GEMM (whether a Triton GEMM can beat cuBLAS there);
 #   w1, w2, w3: throughput.py, then a decode-step profile
 #   on the same engine (W1 batch 256 x 1,100, W2 200 x 2,000, W3 1 x 512; files in $OUT);
 #   w2-no-pdl, w3-no-pdl: W2 and W3 (no profile) with every kernel launched without
@@ -80,6 +82,8 @@ for stage in "$@"; do
                  run bench_norms 100 python3 benchmarks/bench_norms.py ;;
         bench-linear) TAIL=${TAIL:-12} run bench_linear_sweep 480 python3 \
                           benchmarks/bench_linear.py --sweep ;;
+        bench-linear-200) TAIL=${TAIL:-14} run bench_linear_200 300 python3 \
+                              benchmarks/bench_linear.py --rows 200 --inductor ;;
         w1) run w1 300 python3 benchmarks/throughput.py --workload w1 \
                 --profile-decode 256 1100 --profile-out "$out" ;;
         w1-peer) run w1_peer 200 python3 benchmarks/throughput.py --workload w1 \
