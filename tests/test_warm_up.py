@@ -1,6 +1,7 @@
 """The start-up warm-up: one full-size prefill step of dummy prompts, then prefill steps of 1
-and 17 tokens and one per power of two below the full size; nothing left behind (cache,
-prefix hashes, requests, counters) and unchanged outputs."""
+and 17 tokens and one per power of two below the full size, then a step of one-token prompts
+as many as fit; nothing left behind (cache, prefix hashes, requests, counters) and unchanged
+outputs."""
 
 from __future__ import annotations
 
@@ -20,16 +21,17 @@ def test_warm_up_runs_full_prefill_then_ladder_and_leaves_nothing_behind(qwen3_d
     launch = engine.runner.launch
 
     def recording_launch(batch, previous=None):
-        launched.append((batch.is_prefill, sum(batch.num_tokens)))
+        launched.append((batch.is_prefill, sum(batch.num_tokens), len(batch.seqs)))
         return launch(batch, previous)
 
     monkeypatch.setattr(engine.runner, "launch", recording_launch)
     engine.warm_up()
-    assert launched[0] == (True, 512), "the first warm-up step should be a full prefill"
-    assert any(not is_prefill for is_prefill, _ in launched), "and a decode step should run"
-    prefill_sizes = [n for is_prefill, n in launched if is_prefill]
-    assert prefill_sizes == [512, 1, 17, 16, 32, 64, 128, 256], \
-        "then the odd sizes and one prefill per power of two"
+    assert launched[0][:2] == (True, 512), "the first warm-up step should be a full prefill"
+    assert any(not is_prefill for is_prefill, _, _ in launched), "and a decode step should run"
+    prefills = [(n, seqs) for is_prefill, n, seqs in launched if is_prefill]
+    assert [n for n, _ in prefills] == [512, 1, 17, 16, 32, 64, 128, 256, 256], \
+        "then the odd sizes, one prefill per power of two and the one-token prompts"
+    assert prefills[-1] == (256, 256), "a step of max_num_seqs one-token prompts"
     assert_cache_free(llm)
     assert not engine.cache.pools["paged_kv"].manager.cached, "warm-up prefixes must go"
     assert not engine.sequences and engine.scheduler.num_preemptions == 0

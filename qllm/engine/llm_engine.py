@@ -69,12 +69,14 @@ class LLMEngine:
     def warm_up(self) -> None:
         """Serve dummy prompts that fill one prefill step (``max_num_batched_tokens`` tokens,
         up to ``max_num_seqs`` prompts) and decode, then prefill steps of 1 and 17 tokens and
-        of every power of two from 16 tokens up to the full size, then forget their cached
-        prefixes. Kernels compile and tune here, at start-up, rather than inside the first
-        requests of each kind: the full prefill's shapes; the token counts that select tile
-        configs (the MoE kernels' table is keyed by powers of two); and the odd sizes, since
-        Triton compiles a variant per integer argument equal to 1 or not divisible by 16,
-        and torch.compile specialises the compiled prefill regions on a size of 1."""
+        of every power of two from 16 tokens up to the full size, then one step of as many
+        one-token prompts as fit, then forget their cached prefixes. Kernels compile and tune
+        here, at start-up, rather than inside the first requests of each kind: the full
+        prefill's shapes; the token counts that select tile configs (the MoE kernels' table
+        is keyed by token counts); the odd sizes, since Triton compiles a variant per integer
+        argument equal to 1 or not divisible by 16, and torch.compile specialises the
+        compiled prefill regions on a size of 1; and the launch configs that follow the
+        number of sequences in a step (the GDN recurrence's tile in short prefill steps)."""
         start = time.perf_counter()
         config = self.config
         count = min(config.max_num_seqs, 16)
@@ -85,9 +87,12 @@ class LLMEngine:
         for size in ladder:  # prompts of at most `longest` tokens that sum to `size`
             full, rest = divmod(size, longest)
             self._serve_dummy([longest] * full + ([rest] if rest else []))
+        many = min(config.max_num_seqs, config.max_num_batched_tokens)
+        self._serve_dummy([1] * many)
         self.scheduler.num_preemptions = 0
-        logger.info("warm-up: %d prompts of %d tokens, then prefill steps of %s tokens, "
-                    "in %.1f s", count, length, ladder, time.perf_counter() - start)
+        logger.info("warm-up: %d prompts of %d tokens, then prefill steps of %s tokens, then "
+                    "%d one-token prompts, in %.1f s", count, length, ladder, many,
+                    time.perf_counter() - start)
 
     def _serve_dummy(self, lengths: list[int]) -> None:
         """Generate two tokens for dummy prompts of ``lengths`` tokens, all admitted at once,
