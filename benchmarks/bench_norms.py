@@ -1,9 +1,11 @@
 """Micro-benchmark of the fused norm kernels against their plain-torch references: the gated
-RMSNorm closing a Gated DeltaNet layer (``rms_norm_gated``, plugin ``kernels_gdn``) and the
-attention layers' q/k norm + RoPE (``qk_norm_rope``, plugin ``kernels_attention``).
+RMSNorm closing a Gated DeltaNet layer (``rms_norm_gated``, plugin ``kernels_gdn``), the
+attention layers' q/k norm + RoPE (``qk_norm_rope``, plugin ``kernels_attention``) and the
+residual add + RMSNorm before the projections (``add_rms_norm``, plugin ``kernels_linear``).
 
 Qwen3.5-35B-A3B shapes (bf16): 32 value heads x 128 for the gated norm; 16 query and 2 key
-heads x 256 with 64 rotary dims and zero-centred weights for q/k; at 1 token (W3's decode),
+heads x 256 with 64 rotary dims and zero-centred weights for q/k; the 2,048-wide residual
+stream with a zero-centred weight for the add + norm; at 1 token (W3's decode),
 200 (W2's decode) and 16,384 (a prefill step). ``triton`` is the plugin's kernel, ``compiled``
 the reference under ``torch.compile`` (what the decode graphs ran before the kernels: Inductor's
 fusion of it), ``torch`` the eager reference. Times are medians of ``triton.testing.do_bench``
@@ -25,6 +27,7 @@ from qllm_kernels_attention import ops as attention_ops
 from qllm_kernels_attention.testing import qk_inputs
 from qllm_kernels_gdn import ops as gdn_ops
 from qllm_kernels_gdn.testing import norm_inputs
+from qllm_kernels_linear import ops as linear_ops
 from report import print_table
 from timing import time_ms
 
@@ -33,8 +36,11 @@ PEAK_GBPS = 4300.0
 GRAPH_MAX_TOKENS = 256  # decode sizes run as CUDA-graph replays
 QK_GEOMETRY = dict(q_heads=16, k_heads=2, head_dim=256, rotary_dim=64, zero_centered=True)
 V_HEADS, V_DIM = 32, 128
-REFERENCES = {"rms_norm_gated": norm.rms_norm_gated, "qk_norm_rope": rope.qk_norm_rope}
-KERNELS = {"rms_norm_gated": gdn_ops.rms_norm_gated, "qk_norm_rope": attention_ops.qk_norm_rope}
+HIDDEN = 2048
+REFERENCES = {"rms_norm_gated": norm.rms_norm_gated, "qk_norm_rope": rope.qk_norm_rope,
+              "add_rms_norm": norm.add_rms_norm}
+KERNELS = {"rms_norm_gated": gdn_ops.rms_norm_gated, "qk_norm_rope": attention_ops.qk_norm_rope,
+           "add_rms_norm": linear_ops.add_rms_norm}
 
 
 def case(op: str, tokens: int) -> tuple[tuple, int]:
@@ -42,6 +48,10 @@ def case(op: str, tokens: int) -> tuple[tuple, int]:
     if op == "rms_norm_gated":
         x, gate, weight = norm_inputs(tokens, V_HEADS, V_DIM, DTYPE, "cuda")
         return (x, gate, weight, 1e-6), 3 * x.numel() * x.element_size()
+    if op == "add_rms_norm":
+        x, residual = (torch.randn(tokens, HIDDEN, device="cuda", dtype=DTYPE) for _ in range(2))
+        weight = (0.1 * torch.randn(HIDDEN, device="cuda")).to(DTYPE)
+        return (x, residual, weight, 1e-6, True), 4 * x.numel() * x.element_size()
     args = qk_inputs(**QK_GEOMETRY, tokens=tokens, dtype=DTYPE, device="cuda")
     q, k = args[:2]
     return args, 2 * (q.numel() + k.numel()) * q.element_size()

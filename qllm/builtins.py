@@ -48,6 +48,7 @@ def qllm_kernels():
         KernelSpec(op="gdn_prefill", name="torch", fn=gdn.gdn_prefill),
         KernelSpec(op="gdn_decode", name="torch", fn=gdn.gdn_decode),
         KernelSpec(op="linear", name="torch", fn=linear.linear),
+        KernelSpec(op="add_rms_norm", name="torch", fn=norm.add_rms_norm),
         KernelSpec(op="rms_norm_gated", name="torch", fn=norm.rms_norm_gated),
         KernelSpec(op="qk_norm_rope", name="torch", fn=rope.qk_norm_rope),
     ]

@@ -1,5 +1,8 @@
 """The qllm-kernels-linear plugin against ``F.linear`` (the ``linear`` op's reference,
-``qllm.ops.linear``).
+``qllm.ops.linear``), and its residual add + RMSNorm against ``qllm.ops.norm.add_rms_norm``
+(the ``add_rms_norm`` op's reference: the sum exactly, the norm within a rounding; rows 1, 5
+and 200 of 2,048 and 96 features on CUDA, tiny ones interpreted, both weight flavours, strided
+rows, ``opcheck``).
 
 - CUDA (skipped without a GPU): bf16 and fp16 parity at the Qwen3.5-35B-A3B projection shapes
   for 1 to 5 and 16 rows (5 and 16 take ``F.linear``), with and without bias; strided and
@@ -24,6 +27,7 @@ pytest.importorskip("qllm_kernels_linear")
 # after the skip above, so the suite runs where the plugin is not installed
 from kernel_testing import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
                             interpreted, interpreter_driver, run_interpreted_tests)
+from qllm.ops import norm  # noqa: E402
 from qllm.plugins import PluginRegistry  # noqa: E402
 from qllm_kernels_linear import ops, plugin  # noqa: E402
 from qllm_kernels_linear.configs import (ACC_REGISTERS, MAX_GEMV_ROWS,  # noqa: E402
@@ -34,6 +38,7 @@ from qllm_kernels_linear.testing import (QWEN3_5_35B_A3B_SHAPES, LinearInputs,  
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+ALL_DTYPES = {**HALF, "fp32": torch.float32}
 
 shapes = pytest.mark.parametrize("shape", QWEN3_5_35B_A3B_SHAPES.values(),
                                  ids=QWEN3_5_35B_A3B_SHAPES.keys())
@@ -51,6 +56,30 @@ def check_parity(inputs: LinearInputs, config: GemvConfig | None = None) -> None
     assert out.dtype == x.dtype and out.shape == ref.shape
     tol = TOLERANCE[x.dtype]
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def check_add_rms_norm(device: str, dtype: torch.dtype, rows: int, dim: int,
+                       zero_centered: bool) -> None:
+    """The op on ``x`` whose rows lie apart in memory (a column slice) and a contiguous
+    residual, against the reference."""
+    gen = torch.Generator(device=device).manual_seed(rows * dim)
+    wide = torch.randn(rows, dim + 8, generator=gen, device=device).to(dtype)
+    x = wide[:, :dim]
+    residual = torch.randn(rows, dim, generator=gen, device=device).to(dtype)
+    weight = (torch.randn(dim, generator=gen, device=device) * 0.1
+              + (0.0 if zero_centered else 1.0)).to(dtype)
+    normed, summed = ops.add_rms_norm(x, residual, weight, 1e-6, zero_centered)
+    ref_normed, ref_summed = norm.add_rms_norm(x, residual, weight, 1e-6, zero_centered)
+    assert normed.dtype == summed.dtype == dtype and normed.shape == summed.shape == x.shape
+    tol = TOLERANCE[dtype]
+    if device == "cuda" or dtype == torch.float32:
+        assert torch.equal(summed, ref_summed)
+    else:  # the interpreter rounds fp32 to bf16 toward zero, the GPU to nearest
+        torch.testing.assert_close(summed.float(), ref_summed.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(normed.float(), ref_normed.float(), atol=tol, rtol=tol)
+
+
+flavours = pytest.mark.parametrize("zero_centered", [False, True], ids=["plain", "zero-centred"])
 
 
 def opcheck_op(device: str, dtype: torch.dtype) -> None:
@@ -75,6 +104,15 @@ def test_parity(shape, rows, dtype, bias):
     check_parity(inputs)
     if not serves(rows, *shape):  # the fallback is F.linear itself
         assert torch.equal(ops.linear(*inputs), F.linear(*inputs))
+
+
+@cuda
+@flavours
+@pytest.mark.parametrize("dtype", ALL_DTYPES.values(), ids=ALL_DTYPES.keys())
+@pytest.mark.parametrize("dim", [2048, 96], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("rows", [1, 5, 200], ids=lambda m: f"m{m}")
+def test_add_rms_norm_parity(rows, dim, dtype, zero_centered):
+    check_add_rms_norm("cuda", dtype, rows, dim, zero_centered)
 
 
 @cuda
@@ -243,6 +281,11 @@ def test_plugin_registration():
             assert kernels.linear is ops.linear
     for device, dtype in (("cpu", torch.bfloat16), ("cuda", torch.float32)):
         assert registry.kernels(torch.device(device), dtype).names()["linear"] == "torch"
+    for dtype in ALL_DTYPES.values():
+        kernels = registry.kernels(torch.device("cuda"), dtype)
+        assert kernels.names()["add_rms_norm"] == ("triton" if HAS_TRITON else "torch")
+    assert registry.kernels(torch.device("cpu"), torch.bfloat16).names()["add_rms_norm"] \
+        == "torch"
 
 
 @interpreter_driver
@@ -257,7 +300,6 @@ TINY_CONFIGS = {  # None: the rule's; the others tile rows partially and take se
     "n4-k16": GemvConfig(4, 16, 1, 1),
     "n2-k32": GemvConfig(2, 32, 1, 2),
 }
-ALL_DTYPES = {**HALF, "fp32": torch.float32}
 
 
 @interpreted
@@ -281,3 +323,20 @@ def test_interpreted_strided_and_batched_x():
 @interpreted
 def test_interpreted_opcheck():
     opcheck_op("cpu", torch.float16)
+
+
+@interpreted
+@flavours
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dim", [64, 40], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("rows", [1, 3], ids=lambda m: f"m{m}")
+def test_interpreted_add_rms_norm_parity(rows, dim, dtype, zero_centered):
+    check_add_rms_norm("cpu", dtype, rows, dim, zero_centered)
+
+
+@interpreted
+def test_interpreted_add_rms_norm_opcheck():
+    x, residual = torch.randn(3, 40), torch.randn(3, 40)
+    for zero_centered in (False, True):
+        torch.library.opcheck(ops.add_rms_norm_rows,
+                              (x, residual, torch.randn(40), 1e-6, zero_centered))

@@ -5,24 +5,28 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qllm.ops.norm import rms_norm
+from qllm.ops.norm import add_rms_norm, rms_norm
+from qllm.plugins import Kernels
 
 
 class RMSNorm(nn.Module):
     """``x_hat * w`` (Qwen3) or, with ``zero_centered``, ``x_hat * (1 + w)`` (Qwen3.5/Next),
     normalised in fp32 and cast back, as transformers does.
 
-    Called with a ``residual``, adds it first and returns ``(normed, new_residual)``.
+    Called with a ``residual``, adds it first and returns ``(normed, new_residual)``, through
+    the ``add_rms_norm`` op of ``kernels`` (without them, its plain-torch reference).
     """
 
     prefill_region = True  # see CausalLM.prefill_regions
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, zero_centered: bool = False):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, zero_centered: bool = False,
+                 kernels: Kernels | None = None):
         super().__init__()
         self.eps = eps
         self.zero_centered = zero_centered
         self.weight = nn.Parameter(torch.zeros(hidden_size) if zero_centered
                                    else torch.ones(hidden_size))
+        self._add_rms_norm = add_rms_norm if kernels is None else kernels.add_rms_norm
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.zero_centered)
@@ -30,9 +34,4 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return self._norm(x)
-        # The add in fp32, rounded once: the same values as ``x + residual``, but inductor
-        # does not turn it into ``addmm`` with the matmul that produced ``x`` (cuBLAS would
-        # then first copy the residual into the output: one more kernel per layer; the add
-        # belongs in this norm's kernel, which reads both anyway).
-        x = (x.float() + residual.float()).to(x.dtype)
-        return self._norm(x), x
+        return self._add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered)

@@ -1,6 +1,7 @@
 """RMSNorm in plain torch: ``rms_norm`` (the models' norms, ``qllm.layers.norm.RMSNorm``, and
-the q/k norms of the ``qk_norm_rope`` op), and the reference of the ``rms_norm_gated`` op (the
-GPU kernels' oracle), the gated RMSNorm that closes a Gated DeltaNet layer
+the q/k norms of the ``qk_norm_rope`` op), and the references of two ops (the GPU kernels'
+oracles): ``add_rms_norm``, the residual add with the norm after it (``RMSNorm`` called with a
+residual), and ``rms_norm_gated``, the gated RMSNorm that closes a Gated DeltaNet layer
 (``qllm.layers.gated_norm.RMSNormGated``)."""
 
 from __future__ import annotations
@@ -20,6 +21,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if zero_centered:
         return (x * (1.0 + weight.float())).to(dtype)
     return weight * x.to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``add_rms_norm`` op: ``x``, ``residual [..., D]`` in one dtype -> ``(rms_norm(s),
+    s)`` with ``s = x + residual``, the new residual stream. The add runs in fp32 and is
+    rounded once: the values of ``x + residual``, but written so that inductor does not fold
+    the add into the matmul that produced ``x`` as ``addmm`` (cuBLAS would first copy the
+    residual into the output: one more kernel per layer)."""
+    summed = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm(summed, weight, eps, zero_centered), summed
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,

@@ -1,12 +1,13 @@
 """The Triton GEMV as the ``torch.library`` custom op ``qllm_linear::linear``, serving qllm's
-``linear`` op.
+``linear`` op, and the residual add + RMSNorm before the projections as
+``qllm_linear::add_rms_norm``, serving ``add_rms_norm``.
 
 A custom op is opaque to ``torch.compile``: its fake implementation gives the output's shape,
 so a ``fullgraph=True`` decode graph (with a symbolic batch size) stays whole and calls the op
 as one node. Inside the op the row count is concrete: one row (decode at batch 1), or up to
 ``MAX_GEMV_ROWS`` through a small weight, runs the GEMV (``configs.serves``, measured); other
 calls ``F.linear`` (cuBLAS's tensor-core GEMMs). The op and its fake exist without Triton; the
-kernel is imported on the first call that needs it.
+kernels are imported on the first call that needs them.
 """
 
 from __future__ import annotations
@@ -43,3 +44,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 @linear.register_fake
 def _linear_fake(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("qllm_linear::add_rms_norm", mutates_args=())
+def add_rms_norm_rows(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float, zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x``, ``residual [T, D]`` -> ``(rms_norm(x + residual), x + residual)`` (see
+    ``triton_norm``)."""
+    from qllm_kernels_linear.triton_norm import add_rms_norm as launch
+
+    return launch(x, residual, weight, eps, zero_centered)
+
+
+@add_rms_norm_rows.register_fake
+def _add_rms_norm_rows_fake(x, residual, weight, eps, zero_centered):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm`` for qllm (see ``qllm.ops.norm``): ``x``, ``residual [..., D]``, the
+    leading dims flattened to rows."""
+    dim = x.shape[-1]
+    x2, residual2 = (t.reshape(-1, dim) for t in (x, residual))
+    x2, residual2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, residual2))
+    normed, summed = add_rms_norm_rows(x2, residual2, weight, eps, zero_centered)
+    return normed.view(x.shape), summed.view(x.shape)

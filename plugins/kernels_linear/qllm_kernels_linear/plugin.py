@@ -1,19 +1,21 @@
-"""qllm plugin entry point: registers the Triton GEMV for the ``linear`` op through
-``qllm_kernels``.
+"""qllm plugin entry point: registers the Triton GEMV for the ``linear`` op and the residual
+add + RMSNorm for ``add_rms_norm`` through ``qllm_kernels``.
 
-``triton`` (priority 10, above the plain-torch reference's 0) serves ``linear`` on CUDA in
+``triton`` (priority 10, above the plain-torch references' 0) serves ``linear`` on CUDA in
 fp16/bf16 when Triton is importable; the op itself hands calls of more than a few rows to
-``F.linear``.
+``F.linear``. ``add_rms_norm`` is served on CUDA in every float dtype.
 """
 
 from __future__ import annotations
 
 from qllm.hookspecs import hookimpl
-from qllm.specs import KernelSpec, triton_on_cuda
+from qllm.specs import FLOAT_DTYPES, KernelSpec, triton_on_cuda
 from qllm_kernels_linear import ops
 
 
 @hookimpl
 def qllm_kernels():
     return [KernelSpec(op="linear", name="triton", fn=ops.linear, priority=10,
-                       is_available=triton_on_cuda())]
+                       is_available=triton_on_cuda()),
+            KernelSpec(op="add_rms_norm", name="triton", fn=ops.add_rms_norm, priority=10,
+                       is_available=triton_on_cuda(FLOAT_DTYPES))]

@@ -54,8 +54,10 @@ class Qwen3DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Qwen3Attention(config, kernels, cache_dtype)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, kernels)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                       kernels=kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                                kernels=kernels)
 
     def forward(self, positions, hidden, residual, batch):
         if residual is None:
@@ -81,7 +83,7 @@ class Qwen3ForCausalLM(CausalLM):
             config.vocab_size, config.hidden_size,
             (Qwen3DecoderLayer(config, kernels, engine_config.dtype)
              for _ in range(config.num_hidden_layers)),
-            RMSNorm(config.hidden_size, config.rms_norm_eps))
+            RMSNorm(config.hidden_size, config.rms_norm_eps, kernels=kernels))
         self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         self.tie_weights()
 

@@ -51,8 +51,10 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, kernels)
         eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, zero_centered=True)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero_centered=True)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, zero_centered=True,
+                                       kernels=kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero_centered=True,
+                                                kernels=kernels)
 
     def forward(self, positions, hidden, residual, batch: ForwardBatch):
         if residual is None:
@@ -95,7 +97,8 @@ class Qwen3_5ForCausalLM(CausalLM):
             config.vocab_size, config.hidden_size,
             (DecoderLayer(config, i, self.variant, kernels, engine_config)
              for i in range(config.num_hidden_layers)),
-            RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True))
+            RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True,
+                    kernels=kernels))
         self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         self.tie_weights()
 
