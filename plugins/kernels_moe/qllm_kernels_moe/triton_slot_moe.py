@@ -85,7 +85,8 @@ def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weights_
     to expert ``e`` (``num_experts``: ``shared_w``); ``round`` to ``out``'s dtype.
 
     With PDL (``qllm.launch``) the expert ids and the first weight tile load before the wait
-    for the gate-up kernel's ``hidden``: the router wrote the ids two launches back."""
+    for ``hidden``: the gate-up kernel, always the one before, writes no ids and waited for
+    their writer before it let this kernel start."""
     slot, rows, row_mask, ks, w_ptrs = _slot_weight_tile(
         ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_expert, stride_w_row, BLOCK_N,
         BLOCK_K)  # w_ptrs: [BN, BK]
