@@ -19,6 +19,8 @@ The rules every qllm kernel launched with PDL follows:
   does not write (the op's inputs, its earlier kernels' outputs). The MoE's second GEMM reads
   the align's block lists that way, the small-batch path's down GEMV the expert ids. A kernel
   that may follow itself on the same buffers (the GDN recurrence on its state) waits first.
+
+``wait_for_predecessor(USE_PDL)`` does both, in that order, inside a kernel.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import functools
 import os
 
 import torch
+
+from qllm.specs import HAS_TRITON
 
 PDL_ENV = "QLLM_PDL"  # "0" launches every kernel without PDL (for A/B measurements)
 
@@ -39,8 +43,23 @@ def _supports_pdl(device_index: int) -> bool:
 def use_pdl(device: torch.device) -> bool:
     """Whether qllm's Triton kernels on ``device`` launch with PDL: a CUDA device of compute
     capability 9.0 or newer, unless ``QLLM_PDL=0``. Pass the answer to the kernel both as its
-    ``USE_PDL`` constexpr (the waits) and as ``launch_pdl`` (the launch attribute)."""
+    ``USE_PDL`` constexpr (``wait_for_predecessor``) and as ``launch_pdl`` (the launch
+    attribute)."""
     if device.type != "cuda" or os.environ.get(PDL_ENV, "1") == "0":
         return False
     return _supports_pdl(device.index if device.index is not None
                          else torch.cuda.current_device())
+
+
+if HAS_TRITON:  # for the plugins' Triton kernels
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def wait_for_predecessor(USE_PDL: tl.constexpr):
+        """In a kernel launched with PDL: wait until the kernel before it in the stream has
+        ended and its writes are visible, then let the kernel after it launch. Nothing
+        without ``USE_PDL``."""
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl
+from qllm.launch import use_pdl, wait_for_predecessor
 
 # Up to this many tokens (decode batches) a program takes one head: one program per token walked
 # Qwen3.5's 18 heads latency-bound (4.7 us at 1 token, 4.6 at 200). Prefill steps keep a
@@ -49,9 +49,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_wei
                          ZERO_CENTERED: tl.constexpr, USE_PDL: tl.constexpr):
     """Program ``(t, g)``: heads ``[g * BLOCK_H, (g + 1) * BLOCK_H)`` of token ``t``, counting
     the ``HQ`` q heads first, then the ``HK`` k heads."""
-    if USE_PDL:  # before reading the previous kernel's output (qllm.launch)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_predecessor(USE_PDL)  # before reading its output (qllm.launch)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [H]
     is_q = heads < HQ

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl
+from qllm.launch import use_pdl, wait_for_predecessor
 
 UPDATE_BLOCK_C = 256
 PREFILL_BLOCK_T = 32
@@ -39,9 +39,7 @@ def _conv_update_kernel(
     stride_s_slot, stride_s_chan, stride_s_tap, stride_out_tok,
     KERNEL: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # before reading the previous kernel's output (qllm.launch)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_predecessor(USE_PDL)  # before reading its output (qllm.launch)
     seq = tl.program_id(0)
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
     mask = chans < num_channels

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl
+from qllm.launch import use_pdl, wait_for_predecessor
 
 ELEMENTS_PER_PROGRAM = 2048  # rows per program: this many elements over the row length
 NUM_WARPS = 4
@@ -25,9 +25,7 @@ def _rms_norm_gated_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, rows, heads, ep
                            stride_x_tok, stride_x_head, stride_g_tok, stride_g_head,
                            D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                            USE_PDL: tl.constexpr):
-    if USE_PDL:  # before reading the previous kernel's output (qllm.launch)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_predecessor(USE_PDL)  # before reading its output (qllm.launch)
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [R]: (token, head) pairs
     dims = tl.arange(0, BLOCK_D)  # [D]
     mask = (row < rows)[:, None] & (dims < D)[None, :]  # [R, D]

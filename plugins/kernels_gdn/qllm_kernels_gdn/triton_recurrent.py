@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl
+from qllm.launch import use_pdl, wait_for_predecessor
 
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus's: above it, softplus(x) is x
@@ -48,9 +48,7 @@ def _gated_delta_rule_kernel(
     BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # the kernel before may be this one, on the same state (qllm.launch): wait first
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_predecessor(USE_PDL)
     block_v = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)

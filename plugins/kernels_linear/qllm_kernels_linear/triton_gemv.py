@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl
+from qllm.launch import use_pdl, wait_for_predecessor
 from qllm_kernels_linear.configs import MAX_GEMV_ROWS, GemvConfig, block_m, default_config
 
 
@@ -43,9 +43,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
     # that wrote x (qllm.launch)
     cols = offs_k[None, None, :] < K                                 # [1, 1, BK]
     w = tl.load(w_ptrs, mask=w_rows & cols, other=0.0, eviction_policy="evict_first")
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_predecessor(USE_PDL)
     x = tl.load(x_ptrs, mask=x_rows & cols, other=0.0, eviction_policy="evict_last")
     acc = x.to(tl.float32) * w.to(tl.float32)                        # [BM, BN, BK]
     for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl
+from qllm.launch import use_pdl, wait_for_predecessor
 
 NUM_WARPS = 4
 
@@ -27,9 +27,7 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, eps,
     dims = tl.arange(0, BLOCK_D)  # [D]
     mask = dims < D
     weight = tl.load(weight_ptr + dims, mask=mask, other=0.0).to(tl.float32)  # before the wait
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + dims, mask=mask, other=0.0)
     residual = tl.load(residual_ptr + row * stride_residual + dims, mask=mask, other=0.0)

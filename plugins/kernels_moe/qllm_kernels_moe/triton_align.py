@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl
+from qllm.launch import use_pdl, wait_for_predecessor
 from qllm_kernels_moe.align import SortedSlots, max_padded_slots
 
 MAX_SLOTS = 512 * 9  # decode batches of up to 512 tokens at top-8 plus the shared expert
@@ -80,9 +80,7 @@ def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, num_blocks_ptr, num_slo
                   num_experts, padded_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
                   S_PAD: tl.constexpr, USE_PDL: tl.constexpr):
     """All slots in one program per expert."""
-    if USE_PDL:  # before reading the previous kernel's output (qllm.launch)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_predecessor(USE_PDL)  # before reading its output (qllm.launch)
     expert = tl.program_id(0)
     position = tl.arange(0, S_PAD)  # [S]
     # slots past the end count in the last bin, which no expert owns (E_PAD > num_experts)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl
+from qllm.launch import use_pdl, wait_for_predecessor
 from qllm_kernels_moe.align import SortedSlots
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
 from qllm_kernels_moe.triton_align import moe_align_triton
@@ -56,8 +56,7 @@ def _expert_gemm_kernel(
     With PDL (``qllm.launch``), GEMM 1 waits first: the align, just before it, wrote the block
     lists. GEMM 2 reads the block lists (two launches back, so written) before it waits for
     GEMM 1's ``a``."""
-    if USE_PDL and GATED:
-        tl.extra.cuda.gdc_wait()
+    wait_for_predecessor(USE_PDL and GATED)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     num_m = tl.num_programs(0) // num_n
@@ -84,10 +83,7 @@ def _expert_gemm_kernel(
     a_ptrs = a_ptr + (slots // SLOTS_PER_A_ROW)[:, None] * stride_a_row + ks[None, :]  # [BM, BK]
     w_ptrs = expert_w_ptr + cols[None, :] * stride_w_row + ks[:, None]  # [BK, BN]: w[e]^T
     up_ptrs = w_ptrs + N * stride_w_row  # GATED: the up rows, N below the gate rows
-    if USE_PDL:
-        if not GATED:
-            tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_predecessor(USE_PDL and not GATED)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -117,9 +113,7 @@ def _sum_slots_kernel(slot_out_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_N: tl
                       USE_PDL: tl.constexpr):
     """``out[t, n] = sum_j slot_out[t * TOP_K + j, n]`` in fp32, ``j`` ascending; rows of both
     are contiguous, ``N`` long."""
-    if USE_PDL:  # before reading the previous kernel's output (qllm.launch)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_predecessor(USE_PDL)  # before reading its output (qllm.launch)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     col_mask = cols < N

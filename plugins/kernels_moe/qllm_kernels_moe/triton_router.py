@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl
+from qllm.launch import use_pdl, wait_for_predecessor
 
 # One warp: the top-k passes' reductions stay in warp shuffles. On the H200 for 256 experts,
 # 2.56 us per call at 1 token and 3.13 at 200, against 3.53 and 4.15 with 4 warps.
@@ -21,9 +21,7 @@ ROUTER_WARPS = 1
 def _router_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_row,
                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                    RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:  # before reading the previous kernel's output (qllm.launch)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_predecessor(USE_PDL)  # before reading its output (qllm.launch)
     row = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     valid = experts < num_experts

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl
+from qllm.launch import use_pdl, wait_for_predecessor
 from qllm_kernels_moe.configs import GemmConfig
 
 
@@ -53,9 +53,7 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
                          USE_PDL: tl.constexpr):
     """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` for slot ``s`` of token
     ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``)."""
-    if USE_PDL:  # the router, just before, wrote the expert ids (qllm.launch)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_predecessor(USE_PDL)  # the router, just before, wrote the expert ids
     slot, rows, row_mask, ks, gate_ptrs = _slot_weight_tile(
         ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_expert, stride_w_row, BLOCK_N,
         BLOCK_K)  # gate_ptrs: [BN, BK]
@@ -92,9 +90,7 @@ def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weights_
         BLOCK_K)  # w_ptrs: [BN, BK]
     k_mask = ks < K
     w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_predecessor(USE_PDL)
     h_ptrs = hidden_ptr + slot * K + ks  # [BK]
     h = tl.load(h_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]  # [1, BK]
     acc = w.to(tl.float32) * h
