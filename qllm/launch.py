@@ -44,13 +44,19 @@ def _supports_pdl(device_index: int) -> bool:
 
 def use_pdl(device: torch.device) -> bool:
     """Whether qllm's Triton kernels on ``device`` launch with PDL: a CUDA device of compute
-    capability 9.0 or newer, when ``QLLM_PDL=1``. Pass the answer to the kernel both as its
-    ``USE_PDL`` constexpr (``wait_for_predecessor``) and as ``launch_pdl`` (the launch
-    attribute)."""
+    capability 9.0 or newer, when ``QLLM_PDL=1``. Kernels take it through ``pdl_options``."""
     if device.type != "cuda" or os.environ.get(PDL_ENV) != "1":
         return False
     return _supports_pdl(device.index if device.index is not None
                          else torch.cuda.current_device())
+
+
+def pdl_options(device: torch.device) -> dict[str, bool]:
+    """The launch keywords of a qllm Triton kernel on ``device``: its ``USE_PDL`` constexpr
+    (``wait_for_predecessor``) and Triton's ``launch_pdl`` attribute, always equal
+    (``use_pdl``)."""
+    enabled = use_pdl(device)
+    return {"USE_PDL": enabled, "launch_pdl": enabled}
 
 
 if HAS_TRITON:  # for the plugins' Triton kernels

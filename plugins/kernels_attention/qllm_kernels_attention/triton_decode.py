@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl, wait_for_predecessor
+from qllm.launch import pdl_options, wait_for_predecessor
 from qllm_kernels_attention.paged import attend_tile, checked_query, kv_offsets
 
 MAX_SPLITS = 64
@@ -156,7 +156,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                            device=q.device)
         lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
 
-    pdl = use_pdl(q.device)
+    pdl = pdl_options(q.device)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, seq_lens, block_tables, part, lse,
         scale * math.log2(math.e),
@@ -167,7 +167,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse.stride(0), lse.stride(1),
         num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE=page, STORE_LSE=num_splits > 1, USE_PDL=pdl, launch_pdl=pdl, **_config(head_dim),
+        PAGE=page, STORE_LSE=num_splits > 1, **pdl, **_config(head_dim),
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, q_heads)](
@@ -176,7 +176,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
             num_splits,
-            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), USE_PDL=pdl,
-            num_warps=4, launch_pdl=pdl,
+            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), **pdl,
+            num_warps=4,
         )
     return out

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl, wait_for_predecessor
+from qllm.launch import pdl_options, wait_for_predecessor
 
 # Up to this many tokens (decode batches) a program takes one head: one program per token walked
 # Qwen3.5's 18 heads latency-bound (4.7 us at 1 token, 4.6 at 200). Prefill steps keep a
@@ -106,13 +106,11 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     heads = num_q_heads + num_k_heads
     # decode: a program per head; prefill: a program per token, every head at once
     block_h = 1 if tokens <= PER_HEAD_MAX_TOKENS else triton.next_power_of_2(heads)
-    pdl = use_pdl(q.device)
     _qk_norm_rope_kernel[(tokens, triton.cdiv(heads, block_h))](
         q, k, q_out, k_out, q_weight, k_weight, cos_sin, positions, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
         HQ=num_q_heads, HK=num_k_heads, D=dim,
         HALF=half, HALF_PAD=triton.next_power_of_2(half), REST=rest,
         REST_PAD=triton.next_power_of_2(max(rest, 1)), BLOCK_H=block_h,
-        ZERO_CENTERED=zero_centered, USE_PDL=pdl, num_warps=1 if block_h == 1 else 4,
-        launch_pdl=pdl)
+        ZERO_CENTERED=zero_centered, **pdl_options(q.device), num_warps=1 if block_h == 1 else 4)
     return q_out, k_out

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl, wait_for_predecessor
+from qllm.launch import pdl_options, wait_for_predecessor
 
 UPDATE_BLOCK_C = 256
 PREFILL_BLOCK_T = 32
@@ -147,14 +147,12 @@ def conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     batch, channels = x.shape
     out = x.new_empty(batch, channels)
     grid = (batch, triton.cdiv(channels, block_c))
-    pdl = use_pdl(x.device)
     _conv_update_kernel[grid](
         x, weight, conv_state, out, slots, has_state,
         channels,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), out.stride(0),
-        KERNEL=weight.shape[1], BLOCK_C=block_c, USE_PDL=pdl, num_warps=num_warps,
-        launch_pdl=pdl)
+        KERNEL=weight.shape[1], BLOCK_C=block_c, **pdl_options(x.device), num_warps=num_warps)
     return out
 
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl, wait_for_predecessor
+from qllm.launch import pdl_options, wait_for_predecessor
 
 ELEMENTS_PER_PROGRAM = 2048  # rows per program: this many elements over the row length
 NUM_WARPS = 4
@@ -56,10 +56,8 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     rows = tokens * heads
     if rows == 0:
         return out
-    pdl = use_pdl(x.device)
     _rms_norm_gated_kernel[(triton.cdiv(rows, block_r),)](
         x, gate, weight, out, rows, heads, eps,
         x.stride(0), x.stride(1), gate.stride(0), gate.stride(1),
-        D=dim, BLOCK_R=block_r, BLOCK_D=block_d, USE_PDL=pdl, num_warps=NUM_WARPS,
-        launch_pdl=pdl)
+        D=dim, BLOCK_R=block_r, BLOCK_D=block_d, **pdl_options(x.device), num_warps=NUM_WARPS)
     return out

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl, wait_for_predecessor
+from qllm.launch import pdl_options, wait_for_predecessor
 
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus's: above it, softplus(x) is x
@@ -151,7 +151,6 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
     block_v, num_warps = block_v or default_block_v, num_warps or default_warps
     grid = (triton.cdiv(dv, block_v), num_v_heads, num_seqs)
     A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()  # [Hv], read at the head
-    pdl = use_pdl(v.device)
     _gated_delta_rule_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, out, ssm_state,
         cu_seqlens, slots, has_state,
@@ -162,5 +161,5 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
         GROUP=num_v_heads // q.shape[1], DK=dk, DV=dv,
         BK=triton.next_power_of_2(dk), BV=block_v, VARLEN=cu_seqlens is not None,
-        USE_PDL=pdl, num_warps=num_warps, launch_pdl=pdl)
+        **pdl_options(v.device), num_warps=num_warps)
     return out

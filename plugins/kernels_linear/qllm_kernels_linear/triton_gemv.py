@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl, wait_for_predecessor
+from qllm.launch import pdl_options, wait_for_predecessor
 from qllm_kernels_linear.configs import MAX_GEMV_ROWS, GemvConfig, block_m, default_config
 
 
@@ -79,12 +79,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv: bias of shape {tuple(bias.shape)} for {n} output features")
     config = config or default_config(m, n, k)
     out = x.new_empty(m, n)
-    pdl = use_pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, config.BLOCK_N),)](
         x, weight, bias, out, m, n, k,
         x.stride(0), x.stride(1), weight.stride(0), 0 if bias is None else bias.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m(m), BLOCK_N=config.BLOCK_N,
-        BLOCK_K=config.BLOCK_K, NUM_STAGES=config.num_stages, USE_PDL=pdl,
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
+        BLOCK_K=config.BLOCK_K, NUM_STAGES=config.num_stages, **pdl_options(x.device),
+        num_warps=config.num_warps, num_stages=config.num_stages)
     return out

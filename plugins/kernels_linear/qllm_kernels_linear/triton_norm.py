@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl, wait_for_predecessor
+from qllm.launch import pdl_options, wait_for_predecessor
 
 NUM_WARPS = 4
 
@@ -58,9 +58,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     rows, dim = x.shape
     out, summed = x.new_empty(rows, dim), x.new_empty(rows, dim)
     if rows:
-        pdl = use_pdl(x.device)
         _add_rms_norm_kernel[(rows,)](
             x, residual, weight, out, summed, eps, x.stride(0), residual.stride(0), D=dim,
-            BLOCK_D=triton.next_power_of_2(dim), ZERO_CENTERED=zero_centered, USE_PDL=pdl,
-            num_warps=NUM_WARPS, launch_pdl=pdl)
+            BLOCK_D=triton.next_power_of_2(dim), ZERO_CENTERED=zero_centered,
+            **pdl_options(x.device), num_warps=NUM_WARPS)
     return out, summed

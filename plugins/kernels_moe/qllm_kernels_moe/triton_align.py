@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl, wait_for_predecessor
+from qllm.launch import pdl_options, wait_for_predecessor
 from qllm_kernels_moe.align import SortedSlots, max_padded_slots
 
 MAX_SLOTS = 512 * 9  # decode batches of up to 512 tokens at top-8 plus the shared expert
@@ -135,12 +135,11 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     num_blocks = torch.empty(1, dtype=torch.int64, device=device)
     expert_pad = max(triton.next_power_of_2(num_experts + 1), MIN_VECTOR)
     if num_slots <= MAX_SLOTS:
-        pdl = use_pdl(device)
         _align_kernel[(num_experts,)](
             ids, slots, block_experts, num_blocks, num_slots, num_experts, padded // block_m,
             BLOCK_M=block_m, E_PAD=expert_pad,
-            S_PAD=max(triton.next_power_of_2(num_slots), MIN_VECTOR), USE_PDL=pdl,
-            num_warps=NUM_WARPS, launch_pdl=pdl)
+            S_PAD=max(triton.next_power_of_2(num_slots), MIN_VECTOR), **pdl_options(device),
+            num_warps=NUM_WARPS)
         return SortedSlots(slots, block_experts, num_blocks)
     chunks = triton.cdiv(num_slots, CHUNK)
     chunk_counts = torch.empty(chunks, expert_pad, dtype=torch.int32, device=device)

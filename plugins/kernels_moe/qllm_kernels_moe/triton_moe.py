@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl, wait_for_predecessor
+from qllm.launch import pdl_options, wait_for_predecessor
 from qllm_kernels_moe.align import SortedSlots
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
 from qllm_kernels_moe.triton_align import moe_align_triton
@@ -130,10 +130,9 @@ def sum_slots(expert_out: torch.Tensor, top_k: int) -> torch.Tensor:
     slots, n = expert_out.shape
     out = expert_out.new_empty(slots // top_k, n)
     block_n = min(SUM_BLOCK_N, triton.next_power_of_2(n))
-    pdl = use_pdl(expert_out.device)
     _sum_slots_kernel[(out.shape[0], triton.cdiv(n, block_n))](
-        expert_out, out, n, TOP_K=top_k, BLOCK_N=block_n, USE_PDL=pdl, num_warps=4,
-        launch_pdl=pdl)
+        expert_out, out, n, TOP_K=top_k, BLOCK_N=block_n, **pdl_options(expert_out.device),
+        num_warps=4)
     return out
 
 
@@ -142,7 +141,6 @@ def _launch(a: torch.Tensor, w: torch.Tensor, shared_w: torch.Tensor, out: torch
             config: GemmConfig, *, slots_per_a_row: int, gated: bool) -> torch.Tensor:
     n = out.shape[1]
     grid = (sorted_slots.block_experts.shape[0] * triton.cdiv(n, config.BLOCK_N),)
-    pdl = use_pdl(a.device)
     _expert_gemm_kernel[grid](
         a, w, shared_w, out, routing_weights,
         sorted_slots.slots, sorted_slots.block_experts, sorted_slots.num_blocks,
@@ -150,8 +148,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, shared_w: torch.Tensor, out: torch
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         SLOTS_PER_A_ROW=slots_per_a_row, GATED=gated,
         BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        GROUP_M=config.GROUP_M, USE_PDL=pdl, num_warps=config.num_warps,
-        num_stages=config.num_stages, launch_pdl=pdl,
+        GROUP_M=config.GROUP_M, **pdl_options(a.device), num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl, wait_for_predecessor
+from qllm.launch import pdl_options, wait_for_predecessor
 
 # One warp: the top-k passes' reductions stay in warp shuffles. On the H200 for 256 experts,
 # 2.56 us per call at 1 token and 3.13 at 200, against 3.53 and 4.15 with 4 warps.
@@ -59,9 +59,8 @@ def moe_router_triton(logits: torch.Tensor, top_k: int,
     weights = logits.new_empty(tokens, top_k + 1)
     ids = torch.empty(tokens, top_k + 1, dtype=torch.int64, device=logits.device)
     if tokens:
-        pdl = use_pdl(logits.device)
         _router_kernel[(tokens,)](
             logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
             K_PAD=triton.next_power_of_2(top_k + 1), E_PAD=triton.next_power_of_2(num_experts),
-            RENORMALIZE=renormalize, USE_PDL=pdl, num_warps=ROUTER_WARPS, launch_pdl=pdl)
+            RENORMALIZE=renormalize, **pdl_options(logits.device), num_warps=ROUTER_WARPS)
     return weights, ids

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import use_pdl, wait_for_predecessor
+from qllm.launch import pdl_options, wait_for_predecessor
 from qllm_kernels_moe.configs import GemmConfig
 
 
@@ -114,12 +114,11 @@ def slot_gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor,
     inter = w13.shape[1] // 2
     hidden = x.new_empty(tokens * top_k, inter)
     grid = (tokens * top_k, triton.cdiv(inter, config.BLOCK_N))
-    pdl = use_pdl(x.device)
     _slot_gate_up_kernel[grid](
         x, w13, shared_w13, topk_ids, hidden, w13.shape[0], inter, x.shape[1],
         x.stride(0), w13.stride(0), w13.stride(1), TOP_K=top_k,
-        BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, USE_PDL=pdl,
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
+        BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, **pdl_options(x.device),
+        num_warps=config.num_warps, num_stages=config.num_stages)
     return hidden
 
 
@@ -134,9 +133,8 @@ def slot_down(hidden: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor,
     hidden_size = w2.shape[1]
     out = hidden.new_empty(num_slots, hidden_size)
     grid = (num_slots, triton.cdiv(hidden_size, config.BLOCK_N))
-    pdl = use_pdl(hidden.device)
     _slot_down_kernel[grid](
         hidden, w2, shared_w2, topk_ids, topk_weights, out, w2.shape[0], hidden_size, inter,
         w2.stride(0), w2.stride(1), BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
+        **pdl_options(hidden.device), num_warps=config.num_warps, num_stages=config.num_stages)
     return out
