@@ -43,8 +43,4 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     Follows transformers' ``Qwen3_5RMSNormGated`` cast for cast: ``x_hat`` is computed in fp32
     and cast back to ``x.dtype`` before the weight, the gate is applied in fp32, the result is
     cast back."""
-    dtype = x.dtype
-    hidden = x.float()
-    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-    hidden = weight * hidden.to(dtype)
-    return (hidden * F.silu(gate.float())).to(dtype)
+    return (rms_norm(x, weight, eps, zero_centered=False) * F.silu(gate.float())).to(x.dtype)
