@@ -28,6 +28,7 @@ from qllm_kernels_attention.testing import qk_inputs
 from qllm_kernels_gdn import ops as gdn_ops
 from qllm_kernels_gdn.testing import norm_inputs
 from qllm_kernels_linear import ops as linear_ops
+from qllm_kernels_linear.testing import norm_inputs as add_norm_inputs
 from report import print_table
 from timing import time_ms
 
@@ -49,8 +50,7 @@ def case(op: str, tokens: int) -> tuple[tuple, int]:
         x, gate, weight = norm_inputs(tokens, V_HEADS, V_DIM, DTYPE, "cuda")
         return (x, gate, weight, 1e-6), 3 * x.numel() * x.element_size()
     if op == "add_rms_norm":
-        x, residual = (torch.randn(tokens, HIDDEN, device="cuda", dtype=DTYPE) for _ in range(2))
-        weight = (0.1 * torch.randn(HIDDEN, device="cuda")).to(DTYPE)
+        x, residual, weight = add_norm_inputs(tokens, HIDDEN, DTYPE, "cuda", zero_centered=True)
         return (x, residual, weight, 1e-6, True), 4 * x.numel() * x.element_size()
     args = qk_inputs(**QK_GEOMETRY, tokens=tokens, dtype=DTYPE, device="cuda")
     q, k = args[:2]

@@ -34,7 +34,7 @@ from qllm_kernels_linear.configs import (ACC_REGISTERS, MAX_GEMV_ROWS,  # noqa: 
                                          MIN_PROGRAMS, WARP_COLUMNS, GemvConfig, block_m,
                                          candidates, default_config, serves)
 from qllm_kernels_linear.testing import (QWEN3_5_35B_A3B_SHAPES, LinearInputs,  # noqa: E402
-                                         linear_inputs)
+                                         linear_inputs, norm_inputs)
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -62,12 +62,7 @@ def check_add_rms_norm(device: str, dtype: torch.dtype, rows: int, dim: int,
                        zero_centered: bool) -> None:
     """The op on ``x`` whose rows lie apart in memory (a column slice) and a contiguous
     residual, against the reference."""
-    gen = torch.Generator(device=device).manual_seed(rows * dim)
-    wide = torch.randn(rows, dim + 8, generator=gen, device=device).to(dtype)
-    x = wide[:, :dim]
-    residual = torch.randn(rows, dim, generator=gen, device=device).to(dtype)
-    weight = (torch.randn(dim, generator=gen, device=device) * 0.1
-              + (0.0 if zero_centered else 1.0)).to(dtype)
+    x, residual, weight = norm_inputs(rows, dim, dtype, device, zero_centered)
     normed, summed = ops.add_rms_norm(x, residual, weight, 1e-6, zero_centered)
     ref_normed, ref_summed = norm.add_rms_norm(x, residual, weight, 1e-6, zero_centered)
     assert normed.dtype == summed.dtype == dtype and normed.shape == summed.shape == x.shape

@@ -1,5 +1,5 @@
-"""The projection shapes the GEMV is for, and random inputs for the parity tests and the
-benchmark."""
+"""The projection shapes the GEMV is for, and random inputs of the GEMV and of the residual add +
+RMSNorm for the parity tests and the benchmarks."""
 
 from __future__ import annotations
 
@@ -35,3 +35,16 @@ def linear_inputs(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
         return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
 
     return LinearInputs(randn(m, k), randn(n, k, scale=k ** -0.5), randn(n) if bias else None)
+
+
+def norm_inputs(rows: int, dim: int, dtype: torch.dtype, device: str | torch.device,
+                zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``add_rms_norm``'s ``x [T, D]`` (rows apart in memory: a column slice of a wider
+    tensor), ``residual [T, D]`` and a weight ``[D]`` perturbed around 0 (``zero_centered``)
+    or 1."""
+    gen = torch.Generator(device=device).manual_seed(rows * dim)
+    x = torch.randn(rows, dim + 8, generator=gen, device=device).to(dtype)[:, :dim]
+    residual = torch.randn(rows, dim, generator=gen, device=device).to(dtype)
+    weight = (torch.randn(dim, generator=gen, device=device) * 0.1
+              + (0.0 if zero_centered else 1.0)).to(dtype)
+    return x, residual, weight
