@@ -9,7 +9,9 @@
 #   prefill, decode, gated-norm and compile cases and the q/k norm + RoPE cases, which fit a
 #   short call where the whole kernel-tests stage does not; linear-tests: the
 #   linear (GEMV) plugin's tests);
-#   kernels: kernel micro-benchmarks; bench-linear: the GEMV's launch-config sweep at the
+#   kernels: kernel micro-benchmarks; bandwidth: the HBM read bandwidth reached by access
+#   pattern (bench_bandwidth.py: the rooflines' ceiling); bench-linear: the GEMV's
+#   launch-config sweep at the
 #   Qwen3.5-35B-A3B projection shapes (JSON lines, best config per shape and row count);
 #   bench-linear-200: those shapes at W2's 200 rows, cuBLAS against Inductor's max-autotune
 #   GEMM (whether a Triton GEMM can beat cuBLAS there);
@@ -82,6 +84,7 @@ for stage in "$@"; do
                  run bench_gdn 100 python3 benchmarks/bench_gdn.py
                  run bench_linear 100 python3 benchmarks/bench_linear.py
                  run bench_norms 100 python3 benchmarks/bench_norms.py ;;
+        bandwidth) TAIL=${TAIL:-30} run bench_bandwidth 200 python3 benchmarks/bench_bandwidth.py ;;
         bench-linear) TAIL=${TAIL:-12} run bench_linear_sweep 480 python3 \
                           benchmarks/bench_linear.py --sweep ;;
         bench-linear-200) TAIL=${TAIL:-14} run bench_linear_200 300 python3 \
