@@ -17,10 +17,6 @@
 #   GEMM (whether a Triton GEMM can beat cuBLAS there);
 #   w1, w2, w3: throughput.py, then a decode-step profile
 #   on the same engine (W1 batch 256 x 1,100, W2 200 x 2,000, W3 1 x 512; files in $OUT);
-#   pdl-tests: the quick kernel tests and the linear plugin's tests with programmatic
-#   dependent launch on (QLLM_PDL=1; qllm.launch, off by default until measured);
-#   w2-pdl, w3-pdl: W2 (no profile) and W3 (its profile under $OUT/pdl) with PDL on, against
-#   the default w2 and w3;
 #   w3-cublas: W3 with the projections on cuBLAS (the linear op pinned to torch), the GEMV's
 #   baseline; w3-autotune: the same with Inductor's GEMM autotuning in the decode layers;
 #   w1-peer, w2-peer, w3-peer:
@@ -111,16 +107,6 @@ for stage in "$@"; do
         w3) run w3 200 python3 benchmarks/throughput.py --workload w3 --max-num-seqs 1 \
                 --max-model-len 1024 --recurrent-state-dtype bfloat16 \
                 --profile-decode 1 512 --profile-out "$out" ;;
-        pdl-tests) QLLM_PDL=1 run pdl_tests 400 python3 -m pytest $PYTEST_GPU \
-                       tests/test_kernels_moe.py tests/test_kernels_gdn.py \
-                       tests/test_kernels_attention.py tests/test_kernels_linear.py -k \
-                       "(triton_align or cuda_graph or compiled or test_parity or every_table or forced or conv_ or gdn_prefill_parity or gdn_decode_parity or rms_norm_gated or qk_norm_rope or add_rms_norm or strided) and not interpreted" ;;
-        w2-pdl) QLLM_PDL=1 run w2_pdl 300 python3 benchmarks/throughput.py --workload w2 \
-                    --max-num-seqs 200 --max-model-len 3072 --recurrent-state-dtype bfloat16 ;;
-        w3-pdl) mkdir -p "$out/pdl"
-                QLLM_PDL=1 run w3_pdl 200 python3 benchmarks/throughput.py --workload w3 \
-                    --max-num-seqs 1 --max-model-len 1024 --recurrent-state-dtype bfloat16 \
-                    --profile-decode 1 512 --profile-out "$out/pdl" ;;
         w3-cublas) run w3_cublas 200 python3 benchmarks/throughput.py --workload w3 \
                        --max-num-seqs 1 --max-model-len 1024 --recurrent-state-dtype bfloat16 \
                        --kernel linear=torch ;;

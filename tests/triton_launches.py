@@ -6,8 +6,7 @@ test and still fail to compile on the GPU. ``record_launches``, switched on in t
 run by ``LOG_ENV``, writes each launch of a qllm kernel as a JSON line: the kernel, its
 argument types, its constexpr values and the launch options. ``compile_launches`` then compiles
 each distinct launch through Triton's ahead-of-time path for an sm_90 target (the triton wheel
-ships ptxas), without a GPU; a kernel with a ``USE_PDL`` switch also with PDL on, which the
-interpreter cannot run. Run as a script on a log: ``python tests/triton_launches.py LOG``.
+ships ptxas), without a GPU. Run as a script on a log: ``python tests/triton_launches.py LOG``.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 LOG_ENV = "QLLM_TRITON_LAUNCH_LOG"
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl")
-PDL_SWITCH = "USE_PDL"  # a kernel's programmatic-dependent-launch constexpr (qllm.launch)
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 RECORDED_MODULES = "qllm"  # the project's kernels: qllm and its plugins (qllm_kernels_*)
 
 
@@ -70,7 +68,6 @@ def compile_launches(log_path: str) -> tuple[int, list[str]]:
     """Compile each distinct launch in ``log_path`` for sm_90, on every CPU core: the number
     of launches and one message per launch that failed to compile."""
     launches = set(Path(log_path).read_text().splitlines())
-    launches |= {with_pdl for line in launches if (with_pdl := _with_pdl(line))}
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
         failures = [failure for failure in pool.map(_compile, sorted(launches)) if failure]
     return len(launches), failures
@@ -97,16 +94,6 @@ def _compile(line: str) -> str | None:
         return (f"{launch['module']}.{launch['kernel']} constexprs {launch['constexprs']} "
                 f"options {launch['options']}: {type(error).__name__}: {error}")
     return None
-
-
-def _with_pdl(line: str) -> str | None:
-    """The launch of ``line`` with PDL on, if its kernel has the switch."""
-    launch = json.loads(line)
-    if PDL_SWITCH not in launch["constexprs"]:
-        return None
-    launch["constexprs"][PDL_SWITCH] = True
-    launch["options"]["launch_pdl"] = True
-    return json.dumps(launch, sort_keys=True)
 
 
 def main() -> int:

@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import pdl_options, wait_for_predecessor
 from qllm_kernels_attention.paged import attend_tile, checked_query, kv_offsets
 
 MAX_SPLITS = 64
@@ -39,9 +38,8 @@ def _decode_split_kernel(
     stride_lse_seq, stride_lse_head,
     num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, STORE_LSE: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
-    wait_for_predecessor(USE_PDL)  # before reading its output (qllm.launch)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -87,9 +85,8 @@ def _decode_merge_kernel(
     stride_lse_seq, stride_lse_head,
     stride_out_seq, stride_out_head,
     num_splits,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
-    wait_for_predecessor(USE_PDL)  # before reading its output (qllm.launch)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -156,7 +153,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                            device=q.device)
         lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
 
-    pdl = pdl_options(q.device)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, seq_lens, block_tables, part, lse,
         scale * math.log2(math.e),
@@ -167,7 +163,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse.stride(0), lse.stride(1),
         num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE=page, STORE_LSE=num_splits > 1, **pdl, **_config(head_dim),
+        PAGE=page, STORE_LSE=num_splits > 1, **_config(head_dim),
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, q_heads)](
@@ -176,7 +172,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
             num_splits,
-            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), **pdl,
-            num_warps=4,
+            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
         )
     return out

@@ -20,8 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import pdl_options, wait_for_predecessor
-
 # Up to this many tokens (decode batches) a program takes one head: one program per token walked
 # Qwen3.5's 18 heads latency-bound (4.7 us at 1 token, 4.6 at 200). Prefill steps keep a
 # program per token, not hundreds of thousands of one-warp programs.
@@ -46,10 +44,9 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_wei
                          HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                          HALF: tl.constexpr, HALF_PAD: tl.constexpr, REST: tl.constexpr,
                          REST_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-                         ZERO_CENTERED: tl.constexpr, USE_PDL: tl.constexpr):
+                         ZERO_CENTERED: tl.constexpr):
     """Program ``(t, g)``: heads ``[g * BLOCK_H, (g + 1) * BLOCK_H)`` of token ``t``, counting
     the ``HQ`` q heads first, then the ``HK`` k heads."""
-    wait_for_predecessor(USE_PDL)  # before reading its output (qllm.launch)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [H]
     is_q = heads < HQ
@@ -112,5 +109,5 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
         HQ=num_q_heads, HK=num_k_heads, D=dim,
         HALF=half, HALF_PAD=triton.next_power_of_2(half), REST=rest,
         REST_PAD=triton.next_power_of_2(max(rest, 1)), BLOCK_H=block_h,
-        ZERO_CENTERED=zero_centered, **pdl_options(q.device), num_warps=1 if block_h == 1 else 4)
+        ZERO_CENTERED=zero_centered, num_warps=1 if block_h == 1 else 4)
     return q_out, k_out

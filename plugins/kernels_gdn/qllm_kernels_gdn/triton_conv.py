@@ -24,8 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import pdl_options, wait_for_predecessor
-
 UPDATE_BLOCK_C = 256
 PREFILL_BLOCK_T = 32
 PREFILL_BLOCK_C = 128
@@ -37,9 +35,8 @@ def _conv_update_kernel(
     num_channels,
     stride_x_tok, stride_x_chan, stride_w_chan, stride_w_tap,
     stride_s_slot, stride_s_chan, stride_s_tap, stride_out_tok,
-    KERNEL: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
+    KERNEL: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    wait_for_predecessor(USE_PDL)  # before reading its output (qllm.launch)
     seq = tl.program_id(0)
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
     mask = chans < num_channels
@@ -152,7 +149,7 @@ def conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         channels,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), out.stride(0),
-        KERNEL=weight.shape[1], BLOCK_C=block_c, **pdl_options(x.device), num_warps=num_warps)
+        KERNEL=weight.shape[1], BLOCK_C=block_c, num_warps=num_warps)
     return out
 
 

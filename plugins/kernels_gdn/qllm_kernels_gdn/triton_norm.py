@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import pdl_options, wait_for_predecessor
-
 ELEMENTS_PER_PROGRAM = 2048  # rows per program: this many elements over the row length
 NUM_WARPS = 4
 
@@ -23,9 +21,7 @@ NUM_WARPS = 4
 @triton.jit
 def _rms_norm_gated_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, rows, heads, eps,
                            stride_x_tok, stride_x_head, stride_g_tok, stride_g_head,
-                           D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                           USE_PDL: tl.constexpr):
-    wait_for_predecessor(USE_PDL)  # before reading its output (qllm.launch)
+                           D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [R]: (token, head) pairs
     dims = tl.arange(0, BLOCK_D)  # [D]
     mask = (row < rows)[:, None] & (dims < D)[None, :]  # [R, D]
@@ -59,5 +55,5 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     _rms_norm_gated_kernel[(triton.cdiv(rows, block_r),)](
         x, gate, weight, out, rows, heads, eps,
         x.stride(0), x.stride(1), gate.stride(0), gate.stride(1),
-        D=dim, BLOCK_R=block_r, BLOCK_D=block_d, **pdl_options(x.device), num_warps=NUM_WARPS)
+        D=dim, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=NUM_WARPS)
     return out

@@ -28,8 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import pdl_options, wait_for_predecessor
-
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus's: above it, softplus(x) is x
 MIN_PROGRAMS = 512  # below this many programs at the wider block, the narrower one fills the SMs
@@ -45,10 +43,8 @@ def _gated_delta_rule_kernel(
     stride_out_tok, stride_out_head,
     stride_s_slot, stride_s_head, stride_s_k, stride_s_v,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr, USE_PDL: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    # the kernel before may be this one, on the same state (qllm.launch): wait first
-    wait_for_predecessor(USE_PDL)
     block_v = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -161,5 +157,5 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
         GROUP=num_v_heads // q.shape[1], DK=dk, DV=dv,
         BK=triton.next_power_of_2(dk), BV=block_v, VARLEN=cu_seqlens is not None,
-        **pdl_options(v.device), num_warps=num_warps)
+        num_warps=num_warps)
     return out

@@ -10,8 +10,7 @@ the loads set the layout of the product (each thread holding all ``BLOCK_M`` row
 weight elements) instead of being converted into it (and with ``BLOCK_K = 256 * num_warps``,
 see ``configs``, ``x``'s own load layout is the product's too). Bias is added in fp32 in the
 epilogue; the output is rounded once to ``x.dtype``. The launch depends on shapes only (no
-host sync). Launched with PDL (``qllm.launch``), a program loads its first weight tile before
-it waits for the kernel that wrote ``x``.
+host sync).
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import pdl_options, wait_for_predecessor
 from qllm_kernels_linear.configs import MAX_GEMV_ROWS, GemvConfig, block_m, default_config
 
 
@@ -29,7 +27,7 @@ from qllm_kernels_linear.configs import MAX_GEMV_ROWS, GemvConfig, block_m, defa
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
                  stride_xm, stride_xk, stride_wn, stride_b, stride_om,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)                                   # [BM]
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)      # [BN]
     offs_k = tl.arange(0, BLOCK_K)                                   # [BK]
@@ -39,20 +37,14 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
               + offs_k[None, None, :])                               # [1, BN, BK]
     x_rows = offs_m[:, None, None] < M
     w_rows = offs_n[None, :, None] < N
-    # the first K step's weights (no kernel writes them) load before the wait for the kernel
-    # that wrote x (qllm.launch)
-    cols = offs_k[None, None, :] < K                                 # [1, 1, BK]
-    w = tl.load(w_ptrs, mask=w_rows & cols, other=0.0, eviction_policy="evict_first")
-    wait_for_predecessor(USE_PDL)
-    x = tl.load(x_ptrs, mask=x_rows & cols, other=0.0, eviction_policy="evict_last")
-    acc = x.to(tl.float32) * w.to(tl.float32)                        # [BM, BN, BK]
-    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K
-        cols = offs_k[None, None, :] < K - k
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        cols = offs_k[None, None, :] < K - k                         # [1, 1, BK]
         x = tl.load(x_ptrs, mask=x_rows & cols, other=0.0, eviction_policy="evict_last")
         w = tl.load(w_ptrs, mask=w_rows & cols, other=0.0, eviction_policy="evict_first")
-        acc += x.to(tl.float32) * w.to(tl.float32)
+        acc += x.to(tl.float32) * w.to(tl.float32)                   # [BM, BN, BK]
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K
     out = tl.sum(acc, axis=2)                                        # [BM, BN]
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n * stride_b, mask=offs_n < N, other=0.0)
@@ -84,6 +76,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x.stride(0), x.stride(1), weight.stride(0), 0 if bias is None else bias.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m(m), BLOCK_N=config.BLOCK_N,
-        BLOCK_K=config.BLOCK_K, NUM_STAGES=config.num_stages, **pdl_options(x.device),
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        BLOCK_K=config.BLOCK_K, NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return out

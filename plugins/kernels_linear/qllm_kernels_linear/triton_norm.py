@@ -1,12 +1,10 @@
 """Triton residual add + RMSNorm (the ``add_rms_norm`` op; reference ``qllm.ops.norm``): the
 norm before each projection of a decoder layer, one program per row.
 
-Under ``torch.compile`` the same add and norm become an Inductor kernel; this one exists so
-that the decode step's chain of Triton kernels launched with PDL (``qllm.launch``) does not
-break at every norm: the projection after it can start, and load its weights, while the norm
-finishes. The casts follow the reference: the add in fp32 rounded once, ``x_hat`` in fp32, a
-plain weight multiplying ``x_hat`` rounded to the input dtype, a zero-centred one
-multiplying in fp32.
+It takes the place of the kernel Inductor fuses from the same add and norm under
+``torch.compile`` (``benchmarks/bench_norms.py`` times both). The casts follow the reference:
+the add in fp32 rounded once, ``x_hat`` in fp32, a plain weight multiplying ``x_hat`` rounded
+to the input dtype, a zero-centred one multiplying in fp32.
 """
 
 from __future__ import annotations
@@ -15,22 +13,19 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import pdl_options, wait_for_predecessor
-
 NUM_WARPS = 4
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, eps,
                          stride_x, stride_residual, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                         ZERO_CENTERED: tl.constexpr, USE_PDL: tl.constexpr):
+                         ZERO_CENTERED: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)  # [D]
     mask = dims < D
-    weight = tl.load(weight_ptr + dims, mask=mask, other=0.0).to(tl.float32)  # before the wait
-    wait_for_predecessor(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + dims, mask=mask, other=0.0)
     residual = tl.load(residual_ptr + row * stride_residual + dims, mask=mask, other=0.0)
+    weight = tl.load(weight_ptr + dims, mask=mask, other=0.0).to(tl.float32)
     summed = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)  # [D]
     tl.store(sum_ptr + row * D + dims, summed, mask=mask)
     s = summed.to(tl.float32)
@@ -60,6 +55,5 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     if rows:
         _add_rms_norm_kernel[(rows,)](
             x, residual, weight, out, summed, eps, x.stride(0), residual.stride(0), D=dim,
-            BLOCK_D=triton.next_power_of_2(dim), ZERO_CENTERED=zero_centered,
-            **pdl_options(x.device), num_warps=NUM_WARPS)
+            BLOCK_D=triton.next_power_of_2(dim), ZERO_CENTERED=zero_centered, num_warps=NUM_WARPS)
     return out, summed

@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import pdl_options, wait_for_predecessor
 from qllm_kernels_moe.align import SortedSlots, max_padded_slots
 
 MAX_SLOTS = 512 * 9  # decode batches of up to 512 tokens at top-8 plus the shared expert
@@ -78,9 +77,8 @@ def _write_run(slots_ptr, block_experts_ptr, num_blocks_ptr, ids, position, rank
 @triton.jit
 def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, num_blocks_ptr, num_slots,
                   num_experts, padded_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                  S_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+                  S_PAD: tl.constexpr):
     """All slots in one program per expert."""
-    wait_for_predecessor(USE_PDL)  # before reading its output (qllm.launch)
     expert = tl.program_id(0)
     position = tl.arange(0, S_PAD)  # [S]
     # slots past the end count in the last bin, which no expert owns (E_PAD > num_experts)
@@ -138,8 +136,7 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
         _align_kernel[(num_experts,)](
             ids, slots, block_experts, num_blocks, num_slots, num_experts, padded // block_m,
             BLOCK_M=block_m, E_PAD=expert_pad,
-            S_PAD=max(triton.next_power_of_2(num_slots), MIN_VECTOR), **pdl_options(device),
-            num_warps=NUM_WARPS)
+            S_PAD=max(triton.next_power_of_2(num_slots), MIN_VECTOR), num_warps=NUM_WARPS)
         return SortedSlots(slots, block_experts, num_blocks)
     chunks = triton.cdiv(num_slots, CHUNK)
     chunk_counts = torch.empty(chunks, expert_pad, dtype=torch.int32, device=device)

@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import pdl_options, wait_for_predecessor
 from qllm_kernels_moe.align import SortedSlots
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
 from qllm_kernels_moe.triton_align import moe_align_triton
@@ -45,18 +44,12 @@ def _expert_gemm_kernel(
     stride_a_row, stride_w_expert, stride_w_row, stride_out_row,
     SLOTS_PER_A_ROW: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
     """``out[s, n] = sum_k a[s // SLOTS_PER_A_ROW, k] * w[e, n, k]`` for the slots ``s`` of one
     block of expert ``e``, and ``BLOCK_N`` columns ``n``; expert ``num_experts`` is
     ``shared_w`` (one expert's weights, same row stride). ``GATED`` (GEMM 1): ``w`` holds ``N``
     gate rows then ``N`` up rows, and ``out = silu(gate) * up``. Otherwise (GEMM 2) ``out`` is
-    scaled by ``routing_weights[s]``. Rows of ``a``, ``w``, ``out`` have unit stride.
-
-    With PDL (``qllm.launch``), GEMM 1 waits first: the align, just before it, wrote the block
-    lists. GEMM 2 reads the block lists (two launches back, so written) before it waits for
-    GEMM 1's ``a``."""
-    wait_for_predecessor(USE_PDL and GATED)
+    scaled by ``routing_weights[s]``. Rows of ``a``, ``w``, ``out`` have unit stride."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     num_m = tl.num_programs(0) // num_n
@@ -83,7 +76,6 @@ def _expert_gemm_kernel(
     a_ptrs = a_ptr + (slots // SLOTS_PER_A_ROW)[:, None] * stride_a_row + ks[None, :]  # [BM, BK]
     w_ptrs = expert_w_ptr + cols[None, :] * stride_w_row + ks[:, None]  # [BK, BN]: w[e]^T
     up_ptrs = w_ptrs + N * stride_w_row  # GATED: the up rows, N below the gate rows
-    wait_for_predecessor(USE_PDL and not GATED)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -109,11 +101,9 @@ def _expert_gemm_kernel(
 
 
 @triton.jit
-def _sum_slots_kernel(slot_out_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                      USE_PDL: tl.constexpr):
+def _sum_slots_kernel(slot_out_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """``out[t, n] = sum_j slot_out[t * TOP_K + j, n]`` in fp32, ``j`` ascending; rows of both
     are contiguous, ``N`` long."""
-    wait_for_predecessor(USE_PDL)  # before reading its output (qllm.launch)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     col_mask = cols < N
@@ -131,8 +121,7 @@ def sum_slots(expert_out: torch.Tensor, top_k: int) -> torch.Tensor:
     out = expert_out.new_empty(slots // top_k, n)
     block_n = min(SUM_BLOCK_N, triton.next_power_of_2(n))
     _sum_slots_kernel[(out.shape[0], triton.cdiv(n, block_n))](
-        expert_out, out, n, TOP_K=top_k, BLOCK_N=block_n, **pdl_options(expert_out.device),
-        num_warps=4)
+        expert_out, out, n, TOP_K=top_k, BLOCK_N=block_n, num_warps=4)
     return out
 
 
@@ -148,8 +137,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, shared_w: torch.Tensor, out: torch
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         SLOTS_PER_A_ROW=slots_per_a_row, GATED=gated,
         BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        GROUP_M=config.GROUP_M, **pdl_options(a.device), num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        GROUP_M=config.GROUP_M, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 

@@ -10,8 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import pdl_options, wait_for_predecessor
-
 # One warp: the top-k passes' reductions stay in warp shuffles. On the H200 for 256 experts,
 # 2.56 us per call at 1 token and 3.13 at 200, against 3.53 and 4.15 with 4 warps.
 ROUTER_WARPS = 1
@@ -20,8 +18,7 @@ ROUTER_WARPS = 1
 @triton.jit
 def _router_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_row,
                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                   RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_for_predecessor(USE_PDL)  # before reading its output (qllm.launch)
+                   RENORMALIZE: tl.constexpr):
     row = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     valid = experts < num_experts
@@ -62,5 +59,5 @@ def moe_router_triton(logits: torch.Tensor, top_k: int,
         _router_kernel[(tokens,)](
             logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
             K_PAD=triton.next_power_of_2(top_k + 1), E_PAD=triton.next_power_of_2(num_experts),
-            RENORMALIZE=renormalize, **pdl_options(logits.device), num_warps=ROUTER_WARPS)
+            RENORMALIZE=renormalize, num_warps=ROUTER_WARPS)
     return weights, ids

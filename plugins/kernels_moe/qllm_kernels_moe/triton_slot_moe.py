@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.launch import pdl_options, wait_for_predecessor
 from qllm_kernels_moe.configs import GemmConfig
 
 
@@ -49,11 +48,9 @@ def _slot_weight_tile(ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_exp
 @triton.jit
 def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
                          num_experts, N, K, stride_x_row, stride_w_expert, stride_w_row,
-                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` for slot ``s`` of token
     ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``)."""
-    wait_for_predecessor(USE_PDL)  # the router, just before, wrote the expert ids
     slot, rows, row_mask, ks, gate_ptrs = _slot_weight_tile(
         ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_expert, stride_w_row, BLOCK_N,
         BLOCK_K)  # gate_ptrs: [BN, BK]
@@ -78,29 +75,21 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
 @triton.jit
 def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weights_ptr, out_ptr,
                       num_experts, N, K, stride_w_expert, stride_w_row,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``out[s, n] = round(routing_weights[s] * (hidden[s] . w[e, n]))`` for slot ``s`` routed
-    to expert ``e`` (``num_experts``: ``shared_w``); ``round`` to ``out``'s dtype.
-
-    With PDL (``qllm.launch``) the expert ids and the first weight tile load before the wait
-    for ``hidden``: the gate-up kernel, always the one before, writes no ids and waited for
-    their writer before it let this kernel start."""
+    to expert ``e`` (``num_experts``: ``shared_w``); ``round`` to ``out``'s dtype."""
     slot, rows, row_mask, ks, w_ptrs = _slot_weight_tile(
         ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_expert, stride_w_row, BLOCK_N,
         BLOCK_K)  # w_ptrs: [BN, BK]
-    k_mask = ks < K
-    w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
-    wait_for_predecessor(USE_PDL)
     h_ptrs = hidden_ptr + slot * K + ks  # [BK]
-    h = tl.load(h_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]  # [1, BK]
-    acc = w.to(tl.float32) * h
-    for k_start in range(BLOCK_K, K, BLOCK_K):
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
         k_mask = ks < K - k_start
-        h = tl.load(h_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        h = tl.load(h_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]  # [1, BK]
         w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * h
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     out = tl.sum(acc, axis=1) * tl.load(routing_weights_ptr + slot).to(tl.float32)
     tl.store(out_ptr + slot * N + rows, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
@@ -117,7 +106,7 @@ def slot_gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor,
     _slot_gate_up_kernel[grid](
         x, w13, shared_w13, topk_ids, hidden, w13.shape[0], inter, x.shape[1],
         x.stride(0), w13.stride(0), w13.stride(1), TOP_K=top_k,
-        BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, **pdl_options(x.device),
+        BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return hidden
 
@@ -136,5 +125,5 @@ def slot_down(hidden: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor,
     _slot_down_kernel[grid](
         hidden, w2, shared_w2, topk_ids, topk_weights, out, w2.shape[0], hidden_size, inter,
         w2.stride(0), w2.stride(1), BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        **pdl_options(hidden.device), num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages)
     return out
