@@ -14,18 +14,19 @@ eager only); ``max_err`` is the largest difference from it. Prints a table, then
 object per row.
 
 ``--tune`` sweeps BLOCK_M and each GEMM's BLOCK_N / BLOCK_K / GROUP_M / num_warps /
-num_stages per token count (up to 16 tokens also the small-batch path: BLOCK_M 1, no sort; each
-total counts the slot sum, the sorted path's also its align), checks the
+num_stages per token count (up to 16 tokens also the small-batch path: BLOCK_M 1, no sort; the
+sorted path's totals count its align), checks the
 winner against the reference and rewrites the shipped table
 (``qllm_kernels_moe/configs/E=256,N=1024,K=2048.json``) entry by entry, so a sweep can be split
 over several runs with ``--tokens`` and ``--block-m``: an entry records its time
 (``tuned_ms``), and a later sweep on the same device replaces it only when faster (delete
 ``tuned_ms`` after a kernel change). The full sweep takes the better part of an hour;
 ``--grid quick`` tries fewer tiles; ``--grid decode`` the tiles of weight-streaming decode
-batches.
+batches; ``--grid tma`` weight tiles loaded through TMA descriptors against plain loads, around
+the decode batch's tiles.
 
     python benchmarks/bench_moe.py [--impl triton torch]
-    python benchmarks/bench_moe.py --tune [--grid quick|decode] [--tokens 1 2 4 8 ... 4096]
+    python benchmarks/bench_moe.py --tune [--grid quick|decode|tma] [--tokens 1 2 4 8 ... 4096]
         [--block-m 1 16 32 64 128]
 """
 
@@ -44,7 +45,7 @@ from qllm_kernels_moe.align import moe_align
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, config_path, get_config, load_table
 from qllm_kernels_moe.testing import MoeInputs, moe_inputs
 from qllm_kernels_moe.triton_align import moe_align_triton
-from qllm_kernels_moe.triton_moe import down, fused_moe_triton, gate_up, sum_slots
+from qllm_kernels_moe.triton_moe import down, fused_moe_triton, gate_up
 from qllm_kernels_moe.triton_slot_moe import slot_down, slot_gate_up
 from qllm_qwen3_5.moe import fused_moe as torch_fused_moe
 from report import print_table
@@ -60,11 +61,14 @@ SMEM_BYTES = 227 * 1024  # per-block shared memory on H100 / H200
 
 
 def traffic(inputs: MoeInputs) -> tuple[int, int]:
-    """(bytes, flops) of one call: each expert hit read once, x read, the output ``[T, H]``
-    written; three matmuls (gate, up, down) per slot, the shared expert's included."""
+    """(bytes, flops) of one call: each expert hit read once, x read, the per-slot outputs
+    ``[T, k, H]`` written; three matmuls (gate, up, down) per slot, the shared expert's
+    included."""
     expert_params = 3 * INTER * HIDDEN
     experts_hit = inputs.topk_ids.unique().numel()
-    nbytes = (experts_hit * expert_params + 2 * inputs.x.numel()) * inputs.x.element_size()
+    slots = inputs.topk_ids.shape[1]
+    nbytes = (experts_hit * expert_params + (1 + slots) * inputs.x.numel()) \
+        * inputs.x.element_size()
     return nbytes, 2 * inputs.topk_ids.numel() * expert_params
 
 
@@ -114,11 +118,14 @@ COLUMNS = [("case", "case", 16, None), ("impl", "impl", 8, None), ("ms", "ms", 9
 # quick grid's pick).
 GRIDS = {
     "full": dict(n_gated=(16, 32, 64, 128), n=(32, 64, 128, 256), k=(64, 128, 256),
-                 warps=(4, 8), stages=(2, 3, 4, 5)),
+                 warps=(4, 8), stages=(2, 3, 4, 5), tma=(False, True)),
     "quick": dict(n_gated=(32, 64, 128), n=(64, 128, 256), k=(64, 128), warps=(4, 8),
-                  stages=(3, 4)),
+                  stages=(3, 4), tma=(False,)),
     "decode": dict(n_gated=(16, 32, 64), n=(32, 64, 128), k=(128, 256), warps=(2, 4),
-                   stages=(3, 4, 5)),
+                   stages=(3, 4, 5), tma=(False,)),
+    # weight tiles through TMA descriptors against plain loads, around the decode entry's tiles
+    "tma": dict(n_gated=(32, 64), n=(64, 128), k=(128,), warps=(4,), stages=(3, 4),
+                tma=(False, True)),
 }
 
 
@@ -126,11 +133,11 @@ def gemm_candidates(block_m: int, gated: bool, many_blocks_per_expert: bool, gri
     """Tiles for one GEMM that fit in shared memory (gated: two weight tiles per stage)."""
     block_ns = grid["n_gated"] if gated else grid["n"]
     group_ms = (1, 8) if many_blocks_per_expert else (1,)
-    for n, k, group, warps, stages in itertools.product(block_ns, grid["k"], group_ms,
-                                                        grid["warps"], grid["stages"]):
+    for n, k, group, warps, stages, tma in itertools.product(
+            block_ns, grid["k"], group_ms, grid["warps"], grid["stages"], grid["tma"]):
         smem = stages * (block_m * k + (2 if gated else 1) * k * n) * DTYPE.itemsize
         if smem <= SMEM_BYTES:
-            yield GemmConfig(n, k, group, warps, stages)
+            yield GemmConfig(n, k, group, warps, stages, tma)
 
 
 # The small-batch path (BLOCK_M 1): rows per program, the K tile each row streams, warps and
@@ -156,24 +163,29 @@ def tune_slot_path(inputs: MoeInputs) -> tuple[float, MoeConfig]:
     down_ms, dn = best_gemm(
         lambda c: slot_down(hidden, w2, shared_w2, topk_weights, topk_ids, c),
         slot_candidates(), graph=True)
-    expert_out = slot_down(hidden, w2, shared_w2, topk_weights, topk_ids, dn)
-    sum_ms = time_ms(lambda: sum_slots(expert_out, topk_ids.shape[1]), graph=True)
-    total = up_ms + down_ms + sum_ms
-    print(f"  T={x.shape[0]} BLOCK_M=1: up {up_ms:.4f} + down {down_ms:.4f} + sum "
-          f"{sum_ms:.4f} = {total:.4f} ms", flush=True)
+    total = up_ms + down_ms
+    print(f"  T={x.shape[0]} BLOCK_M=1: up {up_ms:.4f} + down {down_ms:.4f} = {total:.4f} ms",
+          flush=True)
     return total, MoeConfig(1, up, dn)
 
 
 def best_gemm(run, candidates, graph: bool) -> tuple[float, GemmConfig]:
-    """The fastest candidate of ``run(config)``; candidates that fail to compile are skipped."""
-    best = (float("inf"), None)
+    """The fastest candidate of ``run(config)``; candidates that fail to compile are skipped.
+    Where the candidates load weights both ways, the fastest of each is printed."""
+    best_by_loads = {}  # weight_tma -> (ms, config)
     for config in candidates:
         try:
             ms = time_ms(lambda: run(config), graph, rep=25)
         except triton.runtime.errors.OutOfResources:
             continue
-        best = min(best, (ms, config), key=lambda pair: pair[0])
-    return best
+        kept = best_by_loads.get(config.weight_tma, (float("inf"), None))
+        best_by_loads[config.weight_tma] = min(kept, (ms, config), key=lambda pair: pair[0])
+    if len(best_by_loads) > 1:
+        for weight_tma, (ms, config) in sorted(best_by_loads.items()):
+            print(f"    {'TMA' if weight_tma else 'pointer'} weight loads: {ms:.4f} ms with "
+                  f"{config}", flush=True)
+    return min(best_by_loads.values(), key=lambda pair: pair[0],
+               default=(float("inf"), None))
 
 
 BLOCK_MS = (1, 16, 32, 64, 128)  # 1: the small-batch path
@@ -181,8 +193,8 @@ BLOCK_MS = (1, 16, 32, 64, 128)  # 1: the small-batch path
 
 def tune_tokens(tokens: int, grid: dict, block_ms: tuple[int, ...] = BLOCK_MS
                 ) -> tuple[MoeConfig, float]:
-    """The fastest config for ``tokens`` tokens among ``block_ms`` (sort, both GEMMs and the
-    slot sum; or the small-batch path's two GEMVs), and its time in ms."""
+    """The fastest config for ``tokens`` tokens among ``block_ms`` (sort and both GEMMs, or
+    the small-batch path's two GEMVs), and its time in ms."""
     inputs = moe_inputs(tokens, EXPERTS, HIDDEN, INTER, TOP_K, DTYPE, "cuda")
     x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2 = inputs
     graph = tokens <= 256
@@ -207,11 +219,9 @@ def tune_tokens(tokens: int, grid: dict, block_ms: tuple[int, ...] = BLOCK_MS
         down_ms, dn = best_gemm(
             lambda c: down(hidden, w2, shared_w2, topk_weights, sorted_slots, block_m, c),
             gemm_candidates(block_m, False, many, grid), graph)
-        expert_out = down(hidden, w2, shared_w2, topk_weights, sorted_slots, block_m, dn)
-        sum_ms = time_ms(lambda: sum_slots(expert_out, TOP_K + 1), graph)
-        total = align_ms + up_ms + down_ms + sum_ms
+        total = align_ms + up_ms + down_ms
         print(f"  T={tokens} BLOCK_M={block_m}: align {align_ms:.4f} + up {up_ms:.4f} "
-              f"+ down {down_ms:.4f} + sum {sum_ms:.4f} = {total:.4f} ms", flush=True)
+              f"+ down {down_ms:.4f} = {total:.4f} ms", flush=True)
         best = min(best, (total, MoeConfig(block_m, up, dn)), key=lambda pair: pair[0])
     total, config = best
     if config is None:

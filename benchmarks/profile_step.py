@@ -34,7 +34,7 @@ OP_KINDS = [
     ("gdn", ("gdn", "gated_delta", "recurrent", "chunk_", "conv1d", "conv_")),
     ("attention", ("attn", "attention", "paged", "decode_split", "decode_merge",
                    "prefill_kernel")),
-    ("moe", ("moe", "expert", "align", "topk", "sort", "router", "sum_slots", "_slot_")),
+    ("moe", ("moe", "expert", "align", "topk", "sort", "router", "_slot_")),
     ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "matmul", "splitk")),
     ("sampling", ("sample", "argmax", "exponential", "softmax", "multinomial")),
 ]

@@ -59,15 +59,18 @@ def check_parity(inputs: LinearInputs, config: GemvConfig | None = None) -> None
 
 
 def check_add_rms_norm(device: str, dtype: torch.dtype, rows: int, dim: int,
-                       zero_centered: bool) -> None:
-    """The op on ``x`` whose rows lie apart in memory (a column slice) and a contiguous
-    residual, against the reference."""
-    x, residual, weight = norm_inputs(rows, dim, dtype, device, zero_centered)
+                       zero_centered: bool, parts: int = 0) -> None:
+    """The op on ``x`` whose rows lie apart in memory (a column slice), or on ``x`` in
+    ``parts`` (``[T, parts, D]``), and a contiguous residual, against the reference."""
+    x, residual, weight = norm_inputs(rows, dim, dtype, device, zero_centered, parts)
     normed, summed = ops.add_rms_norm(x, residual, weight, 1e-6, zero_centered)
     ref_normed, ref_summed = norm.add_rms_norm(x, residual, weight, 1e-6, zero_centered)
-    assert normed.dtype == summed.dtype == dtype and normed.shape == summed.shape == x.shape
+    assert normed.dtype == summed.dtype == dtype
+    assert normed.shape == summed.shape == residual.shape
     tol = TOLERANCE[dtype]
-    if device == "cuda" or dtype == torch.float32:
+    if parts > 1:  # fp32 sums of several parts may differ in the order of their additions
+        torch.testing.assert_close(summed.float(), ref_summed.float(), atol=tol, rtol=tol)
+    elif device == "cuda" or dtype == torch.float32:
         assert torch.equal(summed, ref_summed)
     else:  # the interpreter rounds fp32 to bf16 toward zero, the GPU to nearest
         torch.testing.assert_close(summed.float(), ref_summed.float(), atol=tol, rtol=tol)
@@ -108,6 +111,14 @@ def test_parity(shape, rows, dtype, bias):
 @pytest.mark.parametrize("rows", [1, 5, 200], ids=lambda m: f"m{m}")
 def test_add_rms_norm_parity(rows, dim, dtype, zero_centered):
     check_add_rms_norm("cuda", dtype, rows, dim, zero_centered)
+
+
+@cuda
+@pytest.mark.parametrize("parts", [1, 9])
+@pytest.mark.parametrize("rows", [1, 200], ids=lambda m: f"m{m}")
+def test_add_rms_norm_parts_parity(rows, parts):
+    """``x`` as the MoE's per-slot outputs ``[T, k + 1, D]`` (Qwen3.5-35B-A3B: 8 + 1)."""
+    check_add_rms_norm("cuda", torch.bfloat16, rows, 2048, True, parts)
 
 
 @cuda
@@ -330,8 +341,17 @@ def test_interpreted_add_rms_norm_parity(rows, dim, dtype, zero_centered):
 
 
 @interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("parts", [1, 3])
+def test_interpreted_add_rms_norm_parts_parity(parts, dtype):
+    check_add_rms_norm("cpu", dtype, 3, 40, True, parts)
+
+
+@interpreted
 def test_interpreted_add_rms_norm_opcheck():
     x, residual = torch.randn(3, 40), torch.randn(3, 40)
     for zero_centered in (False, True):
         torch.library.opcheck(ops.add_rms_norm_rows,
                               (x, residual, torch.randn(40), 1e-6, zero_centered))
+    torch.library.opcheck(ops.add_rms_norm_rows,
+                          (torch.randn(3, 2, 40), residual, torch.randn(40), 1e-6, True))

@@ -15,14 +15,14 @@ E, H, INTER, K = 6, 16, 8, 2
 
 
 def naive_moe(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2):
-    """The weighted sum of each token's experts (expert ``E``: the shared one), ``[T, H]``,
-    one (token, slot) at a time."""
+    """Each slot's weighted expert output (expert ``E``: the shared one), ``[T, k, H]``, one
+    (token, slot) at a time."""
     w13, w2 = torch.cat([w13, shared_w13[None]]), torch.cat([w2, shared_w2[None]])
-    out = torch.zeros(x.shape)
+    out = torch.zeros(*topk_ids.shape, x.shape[1])
     for t in range(x.shape[0]):
-        for weight, e in zip(topk_weights[t], topk_ids[t].tolist()):
+        for j, (weight, e) in enumerate(zip(topk_weights[t], topk_ids[t].tolist())):
             gate, up = F.linear(x[t], w13[e]).chunk(2)
-            out[t] += weight * F.linear(F.silu(gate) * up, w2[e])
+            out[t, j] = weight * F.linear(F.silu(gate) * up, w2[e])
     return out
 
 

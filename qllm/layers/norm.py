@@ -13,8 +13,10 @@ class RMSNorm(nn.Module):
     """``x_hat * w`` (Qwen3) or, with ``zero_centered``, ``x_hat * (1 + w)`` (Qwen3.5/Next),
     normalised in fp32 and cast back, as transformers does.
 
-    Called with a ``residual``, adds it first and returns ``(normed, new_residual)``, through
-    the ``add_rms_norm`` op of ``kernels`` (without them, its plain-torch reference).
+    Called with a ``residual [..., D]``, adds it first and returns ``(normed,
+    new_residual)``, through the ``add_rms_norm`` op of ``kernels`` (without them, its
+    plain-torch reference); ``x`` may then come in parts, ``[..., S, D]`` (the MoE's per-slot
+    outputs), summed with the residual.
     """
 
     prefill_region = True  # see CausalLM.prefill_regions

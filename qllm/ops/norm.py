@@ -1,8 +1,8 @@
 """RMSNorm in plain torch: ``rms_norm`` (the models' norms, ``qllm.layers.norm.RMSNorm``, and
 the q/k norms of the ``qk_norm_rope`` op), and the references of two ops (the GPU kernels'
 oracles): ``add_rms_norm``, the residual add with the norm after it (``RMSNorm`` called with a
-residual), and ``rms_norm_gated``, the gated RMSNorm that closes a Gated DeltaNet layer
-(``qllm.layers.gated_norm.RMSNormGated``)."""
+residual; a branch output in parts is summed first), and ``rms_norm_gated``, the gated RMSNorm
+that closes a Gated DeltaNet layer (``qllm.layers.gated_norm.RMSNormGated``)."""
 
 from __future__ import annotations
 
@@ -25,12 +25,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``add_rms_norm`` op: ``x``, ``residual [..., D]`` in one dtype -> ``(rms_norm(s),
-    s)`` with ``s = x + residual``, the new residual stream. The add runs in fp32 and is
-    rounded once: the values of ``x + residual``, but written so that inductor does not fold
-    the add into the matmul that produced ``x`` as ``addmm`` (cuBLAS would first copy the
-    residual into the output: one more kernel per layer)."""
-    summed = (x.float() + residual.float()).to(x.dtype)
+    """The ``add_rms_norm`` op: ``residual [..., D]``, and ``x`` of its shape or ``[..., S,
+    D]`` (a branch's ``S`` partial outputs: the MoE's per-slot outputs), one dtype ->
+    ``(rms_norm(s), s)`` with ``s = x + residual`` (``x`` summed over ``S`` first), the new
+    residual stream. The sum and the add run in fp32 and are rounded once: written so that
+    inductor does not fold the add into the matmul that produced ``x`` as ``addmm`` (cuBLAS
+    would first copy the residual into the output: one more kernel per layer)."""
+    partials = x if x.dim() > residual.dim() else x.unsqueeze(-2)  # [..., S, D]
+    summed = (partials.float().sum(dim=-2) + residual.float()).to(x.dtype)
     return rms_norm(summed, weight, eps, zero_centered), summed
 
 

@@ -49,8 +49,8 @@ def _linear_fake(x, weight, bias):
 @torch.library.custom_op("qllm_linear::add_rms_norm", mutates_args=())
 def add_rms_norm_rows(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float, zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x``, ``residual [T, D]`` -> ``(rms_norm(x + residual), x + residual)`` (see
-    ``triton_norm``)."""
+    """``residual [T, D]``, ``x [T, D]`` or in parts ``[T, S, D]`` -> ``(rms_norm(x +
+    residual), x + residual)`` (see ``triton_norm``)."""
     from qllm_kernels_linear.triton_norm import add_rms_norm as launch
 
     return launch(x, residual, weight, eps, zero_centered)
@@ -58,15 +58,17 @@ def add_rms_norm_rows(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
 
 @add_rms_norm_rows.register_fake
 def _add_rms_norm_rows_fake(x, residual, weight, eps, zero_centered):
-    return x.new_empty(x.shape), x.new_empty(x.shape)
+    return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``add_rms_norm`` for qllm (see ``qllm.ops.norm``): ``x``, ``residual [..., D]``, the
-    leading dims flattened to rows."""
-    dim = x.shape[-1]
-    x2, residual2 = (t.reshape(-1, dim) for t in (x, residual))
+    """``add_rms_norm`` for qllm (see ``qllm.ops.norm``): ``residual [..., D]`` and ``x`` of
+    its shape or in parts ``[..., S, D]``, the leading dims flattened to rows."""
+    dim = residual.shape[-1]
+    residual2 = residual.reshape(-1, dim)
+    rows = residual2.shape[0]
+    x2 = x.reshape(rows, -1, dim) if x.dim() > residual.dim() else x.reshape(rows, dim)
     x2, residual2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, residual2))
     normed, summed = add_rms_norm_rows(x2, residual2, weight, eps, zero_centered)
-    return normed.view(x.shape), summed.view(x.shape)
+    return normed.view(residual.shape), summed.view(residual.shape)

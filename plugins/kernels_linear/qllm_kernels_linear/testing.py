@@ -38,12 +38,17 @@ def linear_inputs(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
 
 
 def norm_inputs(rows: int, dim: int, dtype: torch.dtype, device: str | torch.device,
-                zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                zero_centered: bool, parts: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``add_rms_norm``'s ``x [T, D]`` (rows apart in memory: a column slice of a wider
-    tensor), ``residual [T, D]`` and a weight ``[D]`` perturbed around 0 (``zero_centered``)
+    tensor), or with ``parts``, ``[T, parts, D]`` (contiguous, as the MoE's per-slot
+    outputs), ``residual [T, D]`` and a weight ``[D]`` perturbed around 0 (``zero_centered``)
     or 1."""
-    gen = torch.Generator(device=device).manual_seed(rows * dim)
-    x = torch.randn(rows, dim + 8, generator=gen, device=device).to(dtype)[:, :dim]
+    gen = torch.Generator(device=device).manual_seed(rows * dim + parts)
+    if parts:
+        x = torch.randn(rows, parts, dim, generator=gen, device=device).to(dtype)
+    else:
+        x = torch.randn(rows, dim + 8, generator=gen, device=device).to(dtype)[:, :dim]
     residual = torch.randn(rows, dim, generator=gen, device=device).to(dtype)
     weight = (torch.randn(dim, generator=gen, device=device) * 0.1
               + (0.0 if zero_centered else 1.0)).to(dtype)

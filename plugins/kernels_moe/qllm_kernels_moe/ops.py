@@ -19,9 +19,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               shared_w2: torch.Tensor) -> torch.Tensor:
     """Routed SwiGLU experts: ``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows, then up rows),
     ``w2 [E, H, I]``, the shared expert (id ``E``) ``shared_w13 [2I, H]`` and ``shared_w2
-    [H, I]``, ``topk_weights`` / ``topk_ids`` ``[T, k]`` -> the sum of each token's expert
-    outputs times their routing weights, ``[T, H]`` in ``x.dtype``; the contract of qllm's
-    ``fused_moe`` op (plain-torch reference in ``qllm_qwen3_5.moe``)."""
+    [H, I]``, ``topk_weights`` / ``topk_ids`` ``[T, k]`` -> each slot's expert output times
+    its routing weight, ``[T, k, H]`` in ``x.dtype``; the contract of qllm's ``fused_moe`` op
+    (plain-torch reference in ``qllm_qwen3_5.moe``)."""
     from qllm_kernels_moe.triton_moe import fused_moe_triton
 
     return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2)
@@ -29,7 +29,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 @fused_moe.register_fake
 def _fused_moe_fake(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2):
-    return x.new_empty(x.shape)
+    return x.new_empty(x.shape[0], topk_ids.shape[1], x.shape[1])
 
 
 @torch.library.custom_op("qllm_moe::moe_router", mutates_args=())

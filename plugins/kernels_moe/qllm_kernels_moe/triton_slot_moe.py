@@ -1,7 +1,7 @@
 """Fused MoE for a handful of tokens: one program per slot, no sort.
 
-At decode batch 1 the sorted path's blocks hold one slot each: its sort, the padding of every
-block to ``BLOCK_M`` rows and the separate slot sum cost more than they save. Here (a table
+At decode batch 1 the sorted path's blocks hold one slot each: its sort and the padding of
+every block to ``BLOCK_M`` rows cost more than they save. Here (a table
 entry with ``BLOCK_M == 1``) with ``x [T, H]``, ``topk_ids [T, k]`` (``S = T * k`` slots, slot
 ``t * k + j``; expert ``E`` is the shared expert's weights):
 
@@ -10,9 +10,9 @@ entry with ``BLOCK_M == 1``) with ``x [T, H]``, ``topk_ids [T, k]`` (``S = T * k
    ``BLOCK_K``, and stores ``silu(gate) * up`` -> ``hidden [S, I]``.
 2. ``down``: one program per (slot, ``BLOCK_N`` output columns): ``hidden``'s row through the
    slot's ``w2`` rows, times the routing weight, rounded to ``x.dtype`` -> ``expert_out [S, H]``,
-   which ``sum_slots`` (the sorted path's) adds per token in fp32, in slot order. (One program
-   per token running its k slots in turn, with the sum in the same kernel, waited on nine loads
-   one after the other: 10.7 us per layer at W3's one token, 1.65 TB/s.)
+   the per-slot outputs, summed by the residual add after the block. (One program per token
+   running its k slots in turn, with the sum in the same kernel, waited on nine loads one
+   after the other: 10.7 us per layer at W3's one token, 1.65 TB/s.)
 
 An expert hit by several slots is read once per slot (from L2 after the first), so the path
 pays only while slots rarely share experts: the tuner decides up to which token count.
@@ -116,8 +116,7 @@ def slot_down(hidden: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor,
               config: GemmConfig) -> torch.Tensor:
     """GEMM 2 per slot: ``hidden [T * k, I]`` (contiguous) through each slot's expert of
     ``w2 [E, H, I]`` (expert ``E``: ``shared_w2 [H, I]``), times ``topk_weights [T, k]`` ->
-    ``expert_out [T * k, H]`` in ``hidden.dtype``, a token's slots adjacent (for
-    ``sum_slots``)."""
+    ``expert_out [T * k, H]`` in ``hidden.dtype``, a token's slots adjacent."""
     num_slots, inter = hidden.shape
     hidden_size = w2.shape[1]
     out = hidden.new_empty(num_slots, hidden_size)

@@ -25,10 +25,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               shared_w2: torch.Tensor) -> torch.Tensor:
     """Routed SwiGLU experts: ``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows, then up rows),
     ``w2 [E, H, I]``, the shared expert's ``shared_w13 [2I, H]`` and ``shared_w2 [H, I]``
-    (expert id ``E``), ``topk_weights`` / ``topk_ids`` ``[T, k]`` -> ``[T, H]`` in
-    ``x.dtype``: row ``t`` is the sum over ``j`` of expert ``topk_ids[t, j]``'s output for
-    token ``t`` times ``topk_weights[t, j]``, each slot's output rounded to ``x.dtype`` and
-    summed in fp32 in the order of ``j``.
+    (expert id ``E``), ``topk_weights`` / ``topk_ids`` ``[T, k]`` -> the per-slot outputs
+    ``[T, k, H]`` in ``x.dtype``: ``[t, j]`` is expert ``topk_ids[t, j]``'s output for token
+    ``t`` times ``topk_weights[t, j]``. The slots are left unsummed: the residual add after
+    the block (the ``add_rms_norm`` op) sums them in fp32 in the order of ``j``, with the
+    residual, in one pass.
 
     Eagerly, slots are grouped per expert (host sync; only the experts hit are computed).
     Under ``torch.compile`` (the CUDA-graph decode step) every expert runs on every token and
@@ -38,7 +39,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     weights = topk_weights.to(x.dtype)
     if torch.compiler.is_compiling():
         w13, w2 = torch.cat([w13, shared_w13[None]]), torch.cat([w2, shared_w2[None]])
-        return _dense_moe(x, w13, w2, weights, topk_ids).float().sum(dim=1).to(x.dtype)
+        return _dense_moe(x, w13, w2, weights, topk_ids)
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     out = x.new_empty(topk_ids.numel(), x.shape[1])  # [T * k, H], row t * k + j
     flat_ids = topk_ids.flatten()  # [T * k]
@@ -54,7 +55,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         expert_out = F.linear(silu_and_mul(F.linear(x[slots // top_k], gate_up)), down)
         out[slots] = expert_out * weight_of[start:start + count, None]  # [n, H]
         start += count
-    return out.view(*topk_ids.shape, x.shape[1]).float().sum(dim=1).to(x.dtype)
+    return out.view(*topk_ids.shape, x.shape[1])
 
 
 def _dense_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -108,8 +109,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 shared_w13: torch.Tensor, shared_w2: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, routing ``[T, k + 1]`` (the last slot the shared expert's), the shared
-        expert's ``[2I, H]`` and ``[H, I]`` weights -> the weighted sum of the experts
-        ``[T, H]``."""
+        expert's ``[2I, H]`` and ``[H, I]`` weights -> each slot's weighted expert output
+        ``[T, k + 1, H]``, summed by the residual add that follows."""
         return self._fused_moe(x, self.gate_up_proj.weight, self.down_proj.weight,
                                topk_weights, topk_ids, shared_w13, shared_w2)
 
@@ -172,7 +173,8 @@ class SparseMoeBlock(nn.Module):
             "down_proj": Linear(shared, config.hidden_size, kernels)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]`` -> ``[T, H]``."""
+        """``x [T, H]`` -> the per-slot outputs ``[T, k + 1, H]``, whose sum is the block's
+        output: the decoder layer's residual add (``RMSNorm`` with a residual) takes them."""
         logits = self.input_proj(x)[:, :self.num_experts + 1]  # [T, E + 1]: router, shared gate
         weights, ids = self.router(logits)  # [T, k + 1] each
         return self.experts(x, weights, ids, self.shared_expert["gate_up_proj"].weight,
