@@ -1,7 +1,8 @@
 """Micro-benchmark of the fused norm kernels against their plain-torch references: the gated
 RMSNorm closing a Gated DeltaNet layer (``rms_norm_gated``, plugin ``kernels_gdn``), the
 attention layers' q/k norm + RoPE (``qk_norm_rope``, plugin ``kernels_attention``) and the
-residual add + RMSNorm before the projections (``add_rms_norm``, plugin ``kernels_linear``).
+residual add + RMSNorm before the projections (``add_rms_norm``, plugin ``kernels_linear``;
+``add_rms_norm_moe``: the same op after an MoE block, summing its 9 per-slot outputs).
 
 Qwen3.5-35B-A3B shapes (bf16): 32 value heads x 128 for the gated norm; 16 query and 2 key
 heads x 256 with 64 rotary dims and zero-centred weights for q/k; the 2,048-wide residual
@@ -38,10 +39,11 @@ GRAPH_MAX_TOKENS = 256  # decode sizes run as CUDA-graph replays
 QK_GEOMETRY = dict(q_heads=16, k_heads=2, head_dim=256, rotary_dim=64, zero_centered=True)
 V_HEADS, V_DIM = 32, 128
 HIDDEN = 2048
+MOE_SLOTS = 9  # Qwen3.5-35B-A3B's top-8 plus the shared expert
 REFERENCES = {"rms_norm_gated": norm.rms_norm_gated, "qk_norm_rope": rope.qk_norm_rope,
-              "add_rms_norm": norm.add_rms_norm}
+              "add_rms_norm": norm.add_rms_norm, "add_rms_norm_moe": norm.add_rms_norm}
 KERNELS = {"rms_norm_gated": gdn_ops.rms_norm_gated, "qk_norm_rope": attention_ops.qk_norm_rope,
-           "add_rms_norm": linear_ops.add_rms_norm}
+           "add_rms_norm": linear_ops.add_rms_norm, "add_rms_norm_moe": linear_ops.add_rms_norm}
 
 
 def case(op: str, tokens: int) -> tuple[tuple, int]:
@@ -49,9 +51,12 @@ def case(op: str, tokens: int) -> tuple[tuple, int]:
     if op == "rms_norm_gated":
         x, gate, weight = norm_inputs(tokens, V_HEADS, V_DIM, DTYPE, "cuda")
         return (x, gate, weight, 1e-6), 3 * x.numel() * x.element_size()
-    if op == "add_rms_norm":
-        x, residual, weight = add_norm_inputs(tokens, HIDDEN, DTYPE, "cuda", zero_centered=True)
-        return (x, residual, weight, 1e-6, True), 4 * x.numel() * x.element_size()
+    if op in ("add_rms_norm", "add_rms_norm_moe"):
+        parts = MOE_SLOTS if op == "add_rms_norm_moe" else 0
+        x, residual, weight = add_norm_inputs(tokens, HIDDEN, DTYPE, "cuda", zero_centered=True,
+                                              parts=parts)
+        return (x, residual, weight, 1e-6, True), \
+            (x.numel() + 3 * residual.numel()) * x.element_size()
     args = qk_inputs(**QK_GEOMETRY, tokens=tokens, dtype=DTYPE, device="cuda")
     q, k = args[:2]
     return args, 2 * (q.numel() + k.numel()) * q.element_size()
@@ -84,7 +89,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = [row for op in REFERENCES for tokens in args.tokens
             for row in measure(op, tokens, args.impl)]
-    print_table(rows, [("op", "op", 15, None), ("tokens", "tokens", 7, "d"),
+    print_table(rows, [("op", "op", 17, None), ("tokens", "tokens", 7, "d"),
                        ("impl", "impl", 9, None), ("us", "us", 9, ".2f"),
                        ("gbps", "GB/s", 9, ".1f"), ("pct_peak_bw", "%peak", 7, ".1f"),
                        ("max_err", "max_err", 9, ".4f")])
