@@ -34,6 +34,7 @@ from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
 from qllm_kernels_moe.triton_align import moe_align_triton
 from qllm_kernels_moe.triton_slot_moe import slot_down, slot_gate_up
 
+
 @triton.jit
 def _pointer_tiles(a_ptrs, a_mask, w_ptrs, N, K, stride_w_row, col_mask, GATED: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
