@@ -12,7 +12,8 @@
 #   kernels: kernel micro-benchmarks; bandwidth: the HBM read bandwidth reached by access
 #   pattern (bench_bandwidth.py: the rooflines' ceiling); bench-linear: the GEMV's
 #   launch-config sweep at the
-#   Qwen3.5-35B-A3B projection shapes (JSON lines, best config per shape and row count);
+#   Qwen3.5-35B-A3B projection shapes (JSON lines, best config per shape and row count;
+#   bench-linear-1: at W3's one row only, grid-stride launches included);
 #   bench-linear-200: those shapes at W2's 200 rows, cuBLAS against Inductor's max-autotune
 #   GEMM (whether a Triton GEMM can beat cuBLAS there);
 #   w1, w2, w3: throughput.py, then a decode-step profile
@@ -83,6 +84,8 @@ for stage in "$@"; do
         bandwidth) TAIL=${TAIL:-30} run bench_bandwidth 200 python3 benchmarks/bench_bandwidth.py ;;
         bench-linear) TAIL=${TAIL:-12} run bench_linear_sweep 480 python3 \
                           benchmarks/bench_linear.py --sweep ;;
+        bench-linear-1) TAIL=${TAIL:-6} run bench_linear_sweep_1 480 python3 \
+                            benchmarks/bench_linear.py --sweep --rows 1 ;;
         bench-linear-200) TAIL=${TAIL:-14} run bench_linear_200 300 python3 \
                               benchmarks/bench_linear.py --rows 200 --inductor ;;
         w1) run w1 300 python3 benchmarks/throughput.py --workload w1 \

@@ -67,12 +67,15 @@ WARP_SPANS = 2  # times each warp spans its columns per loop step
 class GemvConfig:
     """Launch parameters: ``BLOCK_N`` weight rows per program, ``BLOCK_K`` columns per loop
     step, warps per program, and loop pipelining stages (1: none; above 1, ``cp.async`` loads
-    run ``num_stages - 1`` steps ahead through shared memory)."""
+    run ``num_stages - 1`` steps ahead through shared memory). ``programs_per_sm``: 0 launches
+    one program per ``BLOCK_N`` rows; otherwise that many programs per multiprocessor (at most
+    one per row block), each walking the row blocks a grid apart."""
 
     BLOCK_N: int
     BLOCK_K: int
     num_warps: int
     num_stages: int
+    programs_per_sm: int = 0
 
 
 def next_power_of_2(n: int) -> int:
@@ -105,6 +108,10 @@ def default_config(m: int, n: int, k: int) -> GemvConfig:
 SWEEP_BLOCK_N = (1, 2, 4, 8, 16)
 SWEEP_WARPS = (2, 4, 8)
 SWEEP_STAGES = (1, 2, 3)
+# Grid-stride launches, tried with the rule's loop (two warp spans per warp, no stages): at 4
+# warps an H200 multiprocessor holds up to 16 programs, so one row block per program leaves a
+# partial last wave (GDN in_proj at one row: 3,088 programs, about 1.5 waves of 2,112).
+SWEEP_PROGRAMS_PER_SM = (2, 4, 8, 16)
 
 
 def candidates(m: int, n: int, k: int) -> list[GemvConfig]:
@@ -120,4 +127,7 @@ def candidates(m: int, n: int, k: int) -> list[GemvConfig]:
                 if block_n <= n and per_thread <= 2 * ACC_REGISTERS:
                     found += [GemvConfig(block_n, block_k, warps, stages)
                               for stages in SWEEP_STAGES]
+                    if block_k == WARP_SPANS * WARP_COLUMNS * warps:
+                        found += [GemvConfig(block_n, block_k, warps, 1, programs)
+                                  for programs in SWEEP_PROGRAMS_PER_SM]
     return found
