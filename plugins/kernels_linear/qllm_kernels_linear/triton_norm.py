@@ -26,11 +26,11 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, eps,
     mask = dims < D
     residual = tl.load(residual_ptr + row * stride_residual + dims, mask=mask, other=0.0)
     weight = tl.load(weight_ptr + dims, mask=mask, other=0.0).to(tl.float32)
-    s = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    x = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for part in tl.static_range(PARTS):  # x's parts in order, then the residual, in fp32
-        s += tl.load(x_ptr + row * stride_x + part * stride_x_part + dims, mask=mask,
+        x += tl.load(x_ptr + row * stride_x + part * stride_x_part + dims, mask=mask,
                      other=0.0).to(tl.float32)
-    summed = (s + residual.to(tl.float32)).to(residual.dtype)  # [D]
+    summed = (x + residual.to(tl.float32)).to(residual.dtype)  # [D]
     tl.store(sum_ptr + row * D + dims, summed, mask=mask)
     s = summed.to(tl.float32)
     x_hat = s * tl.rsqrt(tl.sum(s * s, axis=0) / D + eps)
