@@ -12,8 +12,7 @@
 #   kernels: kernel micro-benchmarks; bandwidth: the HBM read bandwidth reached by access
 #   pattern (bench_bandwidth.py: the rooflines' ceiling); bench-linear: the GEMV's
 #   launch-config sweep at the Qwen3.5-35B-A3B projection shapes (JSON lines, best config
-#   per shape and row count; bench-linear-1: at W3's one row only, grid-stride launches
-#   included);
+#   per shape and row count; bench-linear-1: at W3's one row only);
 #   bench-linear-200: those shapes at W2's 200 rows, cuBLAS against Inductor's max-autotune
 #   GEMM (whether a Triton GEMM can beat cuBLAS there);
 #   w1, w2, w3: throughput.py, then a decode-step profile

@@ -142,8 +142,6 @@ FORCED = {  # corners of the sweep's grid (and one warp), all within its registe
     "n4-k1024-w4-s2": GemvConfig(4, 1024, 4, 2),
     "n2-k4096-w8-s3": GemvConfig(2, 4096, 8, 3),
     "n4-k256-w1-s2": GemvConfig(4, 256, 1, 2),
-    # grid-stride: 264 one-row blocks over one program per multiprocessor
-    "n1-k512-w2-p1": GemvConfig(1, 512, 2, 1, programs_per_sm=1),
 }
 
 
@@ -307,7 +305,6 @@ TINY_CONFIGS = {  # None: the rule's; the others tile rows partially and take se
     "default": None,
     "n4-k16": GemvConfig(4, 16, 1, 1),
     "n2-k32": GemvConfig(2, 32, 1, 2),
-    "n4-k16-p2": GemvConfig(4, 16, 1, 1, programs_per_sm=2),  # 2 programs on the CPU
 }
 
 

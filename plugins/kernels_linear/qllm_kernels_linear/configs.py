@@ -20,7 +20,10 @@ end. The rule's reasoning, refined by the sweep at one row on the H200 (2026-11-
 - a bounded accumulator: ``BLOCK_M * BLOCK_N * BLOCK_K / (32 * num_warps)`` fp32 registers
   per thread, at most ``ACC_REGISTERS``;
 - no software pipelining (``num_stages=1``): the loads go straight to registers. Staging
-  them through shared memory (``cp.async``, 2 or 3 stages) lost at every shape of the sweep.
+  them through shared memory (``cp.async``, 2 or 3 stages) lost at every shape of the sweep;
+- one program per ``BLOCK_N`` rows. Grid-stride launches (2 to 16 programs per multiprocessor,
+  each walking row blocks a grid apart, so no partial last wave) lost at every shape too, by
+  0.1 to 0.8 us (2026-11-30).
 
 Measured (``bench_linear.py --sweep --rows 1``, L2 flushed, us, rule before -> this rule's
 config): ``[2048, 4096]`` 12.64 -> 10.91, ``[264, 2048]`` 6.88 -> about 6.4, ``[12352,
@@ -67,15 +70,12 @@ WARP_SPANS = 2  # times each warp spans its columns per loop step
 class GemvConfig:
     """Launch parameters: ``BLOCK_N`` weight rows per program, ``BLOCK_K`` columns per loop
     step, warps per program, and loop pipelining stages (1: none; above 1, ``cp.async`` loads
-    run ``num_stages - 1`` steps ahead through shared memory). ``programs_per_sm``: 0 launches
-    one program per ``BLOCK_N`` rows; otherwise that many programs per multiprocessor (at most
-    one per row block), each walking the row blocks a grid apart."""
+    run ``num_stages - 1`` steps ahead through shared memory)."""
 
     BLOCK_N: int
     BLOCK_K: int
     num_warps: int
     num_stages: int
-    programs_per_sm: int = 0
 
 
 def next_power_of_2(n: int) -> int:
@@ -108,10 +108,6 @@ def default_config(m: int, n: int, k: int) -> GemvConfig:
 SWEEP_BLOCK_N = (1, 2, 4, 8, 16)
 SWEEP_WARPS = (2, 4, 8)
 SWEEP_STAGES = (1, 2, 3)
-# Grid-stride launches, tried with the rule's loop (two warp spans per warp, no stages): at 4
-# warps an H200 multiprocessor holds up to 16 programs, so one row block per program leaves a
-# partial last wave (GDN in_proj at one row: 3,088 programs, about 1.5 waves of 2,112).
-SWEEP_PROGRAMS_PER_SM = (2, 4, 8, 16)
 
 
 def candidates(m: int, n: int, k: int) -> list[GemvConfig]:
@@ -127,7 +123,4 @@ def candidates(m: int, n: int, k: int) -> list[GemvConfig]:
                 if block_n <= n and per_thread <= 2 * ACC_REGISTERS:
                     found += [GemvConfig(block_n, block_k, warps, stages)
                               for stages in SWEEP_STAGES]
-                    if block_k == WARP_SPANS * WARP_COLUMNS * warps:
-                        found += [GemvConfig(block_n, block_k, warps, 1, programs)
-                                  for programs in SWEEP_PROGRAMS_PER_SM]
     return found

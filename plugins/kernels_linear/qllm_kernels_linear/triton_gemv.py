@@ -10,14 +10,10 @@ the loads set the layout of the product (each thread holding all ``BLOCK_M`` row
 weight elements) instead of being converted into it (and with ``BLOCK_K = 256 * num_warps``,
 see ``configs``, ``x``'s own load layout is the product's too). Bias is added in fp32 in the
 epilogue; the output is rounded once to ``x.dtype``. The launch depends on shapes only (no
-host sync). A config with ``programs_per_sm`` launches that many programs per multiprocessor
-instead, each walking row blocks a grid apart (fewer, longer-lived programs: no partial last
-wave of short ones).
+host sync).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -26,14 +22,14 @@ import triton.language as tl
 from qllm_kernels_linear.configs import MAX_GEMV_ROWS, GemvConfig, block_m, default_config
 
 
-@triton.jit
-def _gemv_row_block(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, row_block,
-                    stride_xm, stride_xk, stride_wn, stride_b, stride_om,
-                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """``out`` for the ``BLOCK_N`` weight rows of ``row_block``."""
+# N only bounds the rows, so a new N (divisible by 16 or not) needs no new compile.
+@triton.jit(do_not_specialize=["N"])
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
+                 stride_xm, stride_xk, stride_wn, stride_b, stride_om,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)                                   # [BM]
-    offs_n = row_block * BLOCK_N + tl.arange(0, BLOCK_N)             # [BN]
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)      # [BN]
     offs_k = tl.arange(0, BLOCK_K)                                   # [BK]
     x_ptrs = (x_ptr + offs_m[:, None, None] * stride_xm
               + offs_k[None, None, :] * stride_xk)                   # [BM, 1, BK]
@@ -58,33 +54,6 @@ def _gemv_row_block(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, row_block,
              mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-# N only bounds the rows, so a new N (divisible by 16 or not) needs no new compile.
-@triton.jit(do_not_specialize=["N"])
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
-                 stride_xm, stride_xk, stride_wn, stride_b, stride_om,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, GRID_STRIDE: tl.constexpr):
-    """One row block per program, or (``GRID_STRIDE``) row blocks ``pid``, ``pid +
-    programs``, ... per program."""
-    if GRID_STRIDE:
-        for row_block in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
-            _gemv_row_block(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, row_block,
-                            stride_xm, stride_xk, stride_wn, stride_b, stride_om,
-                            HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
-    else:
-        _gemv_row_block(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, tl.program_id(0),
-                        stride_xm, stride_xk, stride_wn, stride_b, stride_om,
-                        HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA ``device``; 1 elsewhere (the interpreter)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None) -> torch.Tensor:
     """``x [M, K]`` (any strides) @ ``weight [N, K]^T`` (rows contiguous: ``stride(1) == 1``)
@@ -102,15 +71,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv: bias of shape {tuple(bias.shape)} for {n} output features")
     config = config or default_config(m, n, k)
     out = x.new_empty(m, n)
-    programs = triton.cdiv(n, config.BLOCK_N)  # one per row block
-    if config.programs_per_sm:
-        programs = min(programs, config.programs_per_sm * _multiprocessors(x.device))
-    _gemv_kernel[(programs,)](
+    _gemv_kernel[(triton.cdiv(n, config.BLOCK_N),)](
         x, weight, bias, out, m, n, k,
         x.stride(0), x.stride(1), weight.stride(0), 0 if bias is None else bias.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m(m), BLOCK_N=config.BLOCK_N,
-        BLOCK_K=config.BLOCK_K, NUM_STAGES=config.num_stages,
-        GRID_STRIDE=config.programs_per_sm > 0, num_warps=config.num_warps,
+        BLOCK_K=config.BLOCK_K, NUM_STAGES=config.num_stages, num_warps=config.num_warps,
         num_stages=config.num_stages)
     return out
