@@ -69,7 +69,7 @@ def fla_decode(q, k, v, a, b, A_log, dt_bias, ssm_state, batch):
     initial = torch.where(batch.has_initial_state[:, None, None, None],
                           ssm_state[slots].float(), 0.0)  # [B, Hv, dk, dv]
     out, final = fused_recurrent_gated_delta_rule(
-        q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None].to(v.dtype),
+        q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None].to(v.dtype),
         initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True)
     ssm_state.index_copy_(0, slots, final.to(ssm_state.dtype))
     return out[:, 0]
@@ -90,9 +90,9 @@ def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def case_args(kind: str, batch) -> tuple[tuple, int]:
-    """Arguments of one call and the bytes it must move: slots read and written once,
-    inputs read, output (the size of ``x`` / ``v``) written."""
+def case_args(kind: str, batch) -> tuple[tuple, torch.Tensor, int]:
+    """Arguments of one call, the state it updates in place, and the bytes it must move:
+    slots read and written once, inputs read, output (the size of ``x`` / ``v``) written."""
     slots = batch.recurrent_slots
     if kind.startswith("conv"):
         x = conv_inputs(batch, GEOMETRY, NUM_SLOTS, DTYPE, CONV_DTYPE)
@@ -100,11 +100,12 @@ def case_args(kind: str, batch) -> tuple[tuple, int]:
         if kind == "conv_prefill":  # its output split as the layer splits it: q, k, v
             key_dim = GEOMETRY.num_k_heads * GEOMETRY.head_k_dim
             args += ([key_dim, key_dim, GEOMETRY.num_v_heads * GEOMETRY.head_v_dim],)
-        return args, (2 * _nbytes(x.conv_state[slots]) + 2 * _nbytes(x.x) + _nbytes(x.weight))
+        return args, x.conv_state, (2 * _nbytes(x.conv_state[slots]) + 2 * _nbytes(x.x)
+                                    + _nbytes(x.weight))
     x = gdn_inputs(batch, GEOMETRY, NUM_SLOTS, DTYPE, SSM_DTYPE,
                    contiguous_state=KEY_MAJOR_STATE)
-    return x.args(), (2 * _nbytes(x.ssm_state[slots]) + _nbytes(x.q, x.k, x.a, x.b)
-                      + 2 * _nbytes(x.v))
+    return x.args(), x.ssm_state, (2 * _nbytes(x.ssm_state[slots])
+                                   + _nbytes(x.q, x.k, x.a, x.b) + 2 * _nbytes(x.v))
 
 
 def decode_batch(batch_size: int):
@@ -118,20 +119,19 @@ def decode_batch(batch_size: int):
 def measure(kind: str, name: str, batch, impls: list[str]) -> list[dict]:
     """Rows of ``impls`` on one case. The torch reference runs first (timed only if asked
     for): its output is what ``max_err`` compares against."""
-    args, nbytes = case_args(kind, batch)
-    state_index = 2 if kind.startswith("conv") else 5
-    initial_state = args[state_index].clone()
+    args, state, nbytes = case_args(kind, batch)
+    initial_state = state.clone()
     expected = None
     rows = []
     for impl in ["torch", *(i for i in impls if i != "torch" and i in IMPLS[kind])]:
         fn = IMPLS[kind][impl]
-        args[state_index].copy_(initial_state)  # every implementation starts from one state
+        state.copy_(initial_state)  # every implementation starts from one state
         call = functools.partial(fn, *args)
         row = dict(kind=kind, case=name, impl=impl, batch=batch.num_seqs,
                    tokens=batch.slot_mapping.shape[0])
         try:
             out = call()
-            if isinstance(out, list):  # the prefill conv's q, k, v
+            if isinstance(out, (list, tuple)):  # the prefill conv's q, k, v
                 out = torch.cat(out, dim=-1)
             if impl == "torch":
                 expected = out.float()
@@ -160,7 +160,7 @@ def sweep(kind: str, batch_sizes: list[int]) -> None:
 
     for batch_size in batch_sizes:
         batch = decode_batch(batch_size)
-        args, nbytes = case_args(kind, batch)
+        args, _, nbytes = case_args(kind, batch)
         if kind == "gdn_decode":
             run = functools.partial(gated_delta_rule, *args[:8], batch.recurrent_slots,
                                     batch.has_initial_state)
