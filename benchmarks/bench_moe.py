@@ -22,11 +22,10 @@ over several runs with ``--tokens`` and ``--block-m``: an entry records its time
 (``tuned_ms``), and a later sweep on the same device replaces it only when faster (delete
 ``tuned_ms`` after a kernel change). The full sweep takes the better part of an hour;
 ``--grid quick`` tries fewer tiles; ``--grid decode`` the tiles of weight-streaming decode
-batches; ``--grid tma`` weight tiles loaded through TMA descriptors against plain loads, around
-the decode batch's tiles.
+batches.
 
     python benchmarks/bench_moe.py [--impl triton torch]
-    python benchmarks/bench_moe.py --tune [--grid quick|decode|tma] [--tokens 1 2 4 8 ... 4096]
+    python benchmarks/bench_moe.py --tune [--grid quick|decode] [--tokens 1 2 4 8 ... 4096]
         [--block-m 1 16 32 64 128]
 """
 
@@ -118,14 +117,11 @@ COLUMNS = [("case", "case", 16, None), ("impl", "impl", 8, None), ("ms", "ms", 9
 # quick grid's pick).
 GRIDS = {
     "full": dict(n_gated=(16, 32, 64, 128), n=(32, 64, 128, 256), k=(64, 128, 256),
-                 warps=(4, 8), stages=(2, 3, 4, 5), tma=(False, True)),
+                 warps=(4, 8), stages=(2, 3, 4, 5)),
     "quick": dict(n_gated=(32, 64, 128), n=(64, 128, 256), k=(64, 128), warps=(4, 8),
-                  stages=(3, 4), tma=(False,)),
+                  stages=(3, 4)),
     "decode": dict(n_gated=(16, 32, 64), n=(32, 64, 128), k=(128, 256), warps=(2, 4),
-                   stages=(3, 4, 5), tma=(False,)),
-    # weight tiles through TMA descriptors against plain loads, around the decode entry's tiles
-    "tma": dict(n_gated=(32, 64), n=(64, 128), k=(128,), warps=(4,), stages=(3, 4),
-                tma=(False, True)),
+                   stages=(3, 4, 5)),
 }
 
 
@@ -133,11 +129,11 @@ def gemm_candidates(block_m: int, gated: bool, many_blocks_per_expert: bool, gri
     """Tiles for one GEMM that fit in shared memory (gated: two weight tiles per stage)."""
     block_ns = grid["n_gated"] if gated else grid["n"]
     group_ms = (1, 8) if many_blocks_per_expert else (1,)
-    for n, k, group, warps, stages, tma in itertools.product(
-            block_ns, grid["k"], group_ms, grid["warps"], grid["stages"], grid["tma"]):
+    for n, k, group, warps, stages in itertools.product(
+            block_ns, grid["k"], group_ms, grid["warps"], grid["stages"]):
         smem = stages * (block_m * k + (2 if gated else 1) * k * n) * DTYPE.itemsize
         if smem <= SMEM_BYTES:
-            yield GemmConfig(n, k, group, warps, stages, tma)
+            yield GemmConfig(n, k, group, warps, stages)
 
 
 # The small-batch path (BLOCK_M 1): rows per program, the K tile each row streams, warps and
@@ -170,22 +166,15 @@ def tune_slot_path(inputs: MoeInputs) -> tuple[float, MoeConfig]:
 
 
 def best_gemm(run, candidates, graph: bool) -> tuple[float, GemmConfig]:
-    """The fastest candidate of ``run(config)``; candidates that fail to compile are skipped.
-    Where the candidates load weights both ways, the fastest of each is printed."""
-    best_by_loads = {}  # weight_tma -> (ms, config)
+    """The fastest candidate of ``run(config)``; candidates that fail to compile are skipped."""
+    best = (float("inf"), None)
     for config in candidates:
         try:
             ms = time_ms(lambda: run(config), graph, rep=25)
         except triton.runtime.errors.OutOfResources:
             continue
-        kept = best_by_loads.get(config.weight_tma, (float("inf"), None))
-        best_by_loads[config.weight_tma] = min(kept, (ms, config), key=lambda pair: pair[0])
-    if len(best_by_loads) > 1:
-        for weight_tma, (ms, config) in sorted(best_by_loads.items()):
-            print(f"    {'TMA' if weight_tma else 'pointer'} weight loads: {ms:.4f} ms with "
-                  f"{config}", flush=True)
-    return min(best_by_loads.values(), key=lambda pair: pair[0],
-               default=(float("inf"), None))
+        best = min(best, (ms, config), key=lambda pair: pair[0])
+    return best
 
 
 BLOCK_MS = (1, 16, 32, 64, 128)  # 1: the small-batch path

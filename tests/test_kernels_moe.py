@@ -46,11 +46,6 @@ FORCED = {  # every BLOCK_M, and tiles that leave partial column / K tiles
     "m32": MoeConfig(32, GemmConfig(64, 128, 8, 8, 4), GemmConfig(128, 64, 1, 4, 2)),
     "m64": MoeConfig(64, GemmConfig(128, 64), GemmConfig(256, 64, 8, 8, 3)),
     "m128": MoeConfig(128, GemmConfig(64, 64, 1, 8, 4), GemmConfig(128, 32, 1, 8, 4)),
-    # TMA weight tiles (on i96, m64's 64 gated columns do not divide 96: pointer loads there)
-    "m16-tma": MoeConfig(16, GemmConfig(32, 128, 8, weight_tma=True),
-                         GemmConfig(128, 128, 8, weight_tma=True)),
-    "m64-tma": MoeConfig(64, GemmConfig(64, 64, weight_tma=True),
-                         GemmConfig(128, 64, 8, 8, 3, weight_tma=True)),
 }
 # name -> (tokens, experts, top_k, hidden, intermediate, skew)
 TINY = {
@@ -64,10 +59,6 @@ TINY_CONFIGS = {
     "m1": MoeConfig(1, GemmConfig(8, 16), GemmConfig(16, 16, 1, 2)),
     "m16": MoeConfig(16, GemmConfig(16, 32), GemmConfig(32, 16, 2)),
     "m32": MoeConfig(32, GemmConfig(32, 16, 4), GemmConfig(16, 32)),
-    # TMA weight tiles, with K tails on h48-i24 (hidden 48 in 32-wide tiles, intermediate 24
-    # in 16-wide ones)
-    "m16-tma": MoeConfig(16, GemmConfig(8, 32, weight_tma=True),
-                         GemmConfig(16, 16, 2, weight_tma=True)),
 }
 
 

@@ -21,16 +21,13 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 @dataclass(frozen=True)
 class GemmConfig:
     """Tiles of one grouped GEMM; ``BLOCK_N`` counts output columns (for the gated GEMM,
-    intermediate columns: the program reads ``2 * BLOCK_N`` weight rows, gate and up).
-    ``weight_tma``: the sorted path loads weight tiles through TMA descriptors (Hopper and
-    later, where the weights allow it: ``triton_moe.weight_tma_applies``)."""
+    intermediate columns: the program reads ``2 * BLOCK_N`` weight rows, gate and up)."""
 
     BLOCK_N: int
     BLOCK_K: int
     GROUP_M: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    weight_tma: bool = False
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ slots, slot ``t * k + j``; the model's last slot per token is the shared expert'
    add after the block (``add_rms_norm``), which reads them in fp32, in slot order: a
    deterministic sum, no atomic adds, and no kernel of its own.
 
-Weight tiles load through pointers, or by TMA where the table entry asks (``weight_tma``).
 Every launch size follows from the shapes (blocks past ``num_blocks`` exit at once), so the
 whole op is free of host syncs and capturable in a CUDA graph. A table entry with ``BLOCK_M``
 1 takes the small-batch path of ``triton_slot_moe`` instead: one program per slot, no sort.
@@ -27,7 +26,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from qllm_kernels_moe.align import SortedSlots
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
@@ -35,63 +33,20 @@ from qllm_kernels_moe.triton_align import moe_align_triton
 from qllm_kernels_moe.triton_slot_moe import slot_down, slot_gate_up
 
 
-@triton.jit
-def _pointer_tiles(a_ptrs, a_mask, w_ptrs, N, K, stride_w_row, col_mask, GATED: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``_expert_gemm_kernel``'s accumulators ``[BM, BN]`` (gate or only, then up), with the
-    weight tiles loaded through ``w_ptrs [BK, BN]`` (the gate or only rows, transposed)."""
-    ks = tl.arange(0, BLOCK_K)
-    up_ptrs = w_ptrs + N * stride_w_row  # GATED: the up rows, N below the gate rows
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
-        k_mask = ks < K - k_start
-        a = tl.load(a_ptrs, mask=a_mask[:, None] & k_mask[None, :], other=0.0)
-        w_mask = k_mask[:, None] & col_mask[None, :]
-        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc)
-        if GATED:
-            acc_up = tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0), acc_up)
-            up_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    return acc, acc_up
-
-
-@triton.jit
-def _descriptor_tiles(a_ptrs, a_mask, w_desc, row, N, K, GATED: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The same accumulators with the weight tiles ``[BN, BK]`` loaded by TMA from ``w_desc``
-    (the weights as ``[rows, K]``): the gate or only tile from row ``row``, the up tile ``N``
-    rows below. Columns past ``K`` read as zeros."""
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
-        a = tl.load(a_ptrs, mask=a_mask[:, None] & (ks < K - k_start)[None, :], other=0.0)
-        acc = tl.dot(a, w_desc.load([row, k_start]).T, acc)
-        if GATED:
-            acc_up = tl.dot(a, w_desc.load([row + N, k_start]).T, acc_up)
-        a_ptrs += BLOCK_K
-    return acc, acc_up
-
-
 @triton.jit(do_not_specialize=["num_slots"])
 def _expert_gemm_kernel(
-    a_ptr, w_ptr, shared_w_ptr, w_desc, shared_w_desc, out_ptr, routing_weights_ptr,
+    a_ptr, w_ptr, shared_w_ptr, out_ptr, routing_weights_ptr,
     slots_ptr, block_experts_ptr, num_blocks_ptr,
     num_slots, num_experts, N, K,
     stride_a_row, stride_w_expert, stride_w_row, stride_out_row,
     SLOTS_PER_A_ROW: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    WEIGHT_TMA: tl.constexpr,
 ):
     """``out[s, n] = sum_k a[s // SLOTS_PER_A_ROW, k] * w[e, n, k]`` for the slots ``s`` of one
     block of expert ``e``, and ``BLOCK_N`` columns ``n``; expert ``num_experts`` is
     ``shared_w`` (one expert's weights, same row stride). ``GATED`` (GEMM 1): ``w`` holds ``N``
     gate rows then ``N`` up rows, and ``out = silu(gate) * up``. Otherwise (GEMM 2) ``out`` is
-    scaled by ``routing_weights[s]``. Rows of ``a``, ``w``, ``out`` have unit stride.
-    ``WEIGHT_TMA``: the weight tiles come through the descriptors ``w_desc`` (``w`` as
-    ``[E * rows, K]``) and ``shared_w_desc`` instead of the pointers (``weight_tma_applies``)."""
+    scaled by ``routing_weights[s]``. Rows of ``a``, ``w``, ``out`` have unit stride."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     num_m = tl.num_programs(0) // num_n
@@ -106,29 +61,31 @@ def _expert_gemm_kernel(
         return
 
     expert = tl.load(block_experts_ptr + pid_m)
+    if expert == num_experts:
+        expert_w_ptr = shared_w_ptr
+    else:
+        expert_w_ptr = w_ptr + expert * stride_w_expert
     slots = tl.load(slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     slot_mask = slots < num_slots  # padding entries hold num_slots
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     col_mask = cols < N
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (slots // SLOTS_PER_A_ROW)[:, None] * stride_a_row + ks[None, :]  # [BM, BK]
-    if WEIGHT_TMA:
-        if expert == num_experts:
-            acc, acc_up = _descriptor_tiles(a_ptrs, slot_mask, shared_w_desc, pid_n * BLOCK_N,
-                                            N, K, GATED, BLOCK_M, BLOCK_N, BLOCK_K)
-        else:
-            # descriptor coordinates are 32-bit
-            first_row = (expert * (stride_w_expert // stride_w_row)).to(tl.int32) + pid_n * BLOCK_N
-            acc, acc_up = _descriptor_tiles(a_ptrs, slot_mask, w_desc, first_row, N, K, GATED,
-                                            BLOCK_M, BLOCK_N, BLOCK_K)
-    else:
-        if expert == num_experts:
-            expert_w_ptr = shared_w_ptr
-        else:
-            expert_w_ptr = w_ptr + expert * stride_w_expert
-        w_ptrs = expert_w_ptr + cols[None, :] * stride_w_row + ks[:, None]  # [BK, BN]: w[e]^T
-        acc, acc_up = _pointer_tiles(a_ptrs, slot_mask, w_ptrs, N, K, stride_w_row, col_mask,
-                                     GATED, BLOCK_M, BLOCK_N, BLOCK_K)
+    w_ptrs = expert_w_ptr + cols[None, :] * stride_w_row + ks[:, None]  # [BK, BN]: w[e]^T
+    up_ptrs = w_ptrs + N * stride_w_row  # GATED: the up rows, N below the gate rows
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        k_mask = ks < K - k_start
+        a = tl.load(a_ptrs, mask=slot_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc)
+        if GATED:
+            acc_up = tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0), acc_up)
+            up_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
 
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up
@@ -140,42 +97,19 @@ def _expert_gemm_kernel(
              mask=slot_mask[:, None] & col_mask[None, :])
 
 
-def weight_tma_applies(w: torch.Tensor, shared_w: torch.Tensor, n: int,
-                       config: GemmConfig) -> bool:
-    """Whether a GEMM over ``w [E, rows, K]`` and ``shared_w [rows, K]`` with ``n`` output
-    columns loads its weight tiles by TMA: when ``config`` asks for it and descriptors can
-    serve it: on a Hopper or later GPU (or the interpreter's CPU tensors), over contiguous
-    weights (one ``[E * rows, K]`` view), with ``n`` a multiple of ``BLOCK_N`` (no tile reaches
-    into the next rows) and 16-byte aligned rows. Otherwise the tiles load through pointers."""
-    if not config.weight_tma:
-        return False
-    if w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9:
-        return False
-    row_bytes = w.shape[-1] * w.element_size()
-    return (w.is_contiguous() and shared_w.is_contiguous() and n % config.BLOCK_N == 0
-            and row_bytes % 16 == 0 and config.BLOCK_K * w.element_size() >= 16)
-
-
 def _launch(a: torch.Tensor, w: torch.Tensor, shared_w: torch.Tensor, out: torch.Tensor,
             routing_weights: torch.Tensor, sorted_slots: SortedSlots, block_m: int,
             config: GemmConfig, *, slots_per_a_row: int, gated: bool) -> torch.Tensor:
     n = out.shape[1]
-    w_desc = shared_w_desc = None
-    weight_tma = weight_tma_applies(w, shared_w, n, config)
-    if weight_tma:
-        block = [config.BLOCK_N, config.BLOCK_K]
-        w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), block)
-        shared_w_desc = TensorDescriptor.from_tensor(shared_w, block)
     grid = (sorted_slots.block_experts.shape[0] * triton.cdiv(n, config.BLOCK_N),)
     _expert_gemm_kernel[grid](
-        a, w, shared_w, w_desc, shared_w_desc, out, routing_weights,
+        a, w, shared_w, out, routing_weights,
         sorted_slots.slots, sorted_slots.block_experts, sorted_slots.num_blocks,
         out.shape[0], w.shape[0], n, a.shape[1],
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         SLOTS_PER_A_ROW=slots_per_a_row, GATED=gated,
         BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        GROUP_M=config.GROUP_M, WEIGHT_TMA=weight_tma, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        GROUP_M=config.GROUP_M, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
