@@ -33,6 +33,29 @@ from qllm_kernels_moe.triton_align import moe_align_triton
 from qllm_kernels_moe.triton_slot_moe import slot_down, slot_gate_up
 
 
+@triton.jit
+def _pointer_tiles(a_ptrs, a_mask, w_ptrs, N, K, stride_w_row, col_mask, GATED: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``_expert_gemm_kernel``'s accumulators ``[BM, BN]`` (gate or only, then up) over
+    ``K``: ``a_ptrs [BM, BK]`` (rows masked by ``a_mask``) times the weight tiles at ``w_ptrs
+    [BK, BN]`` (the gate or only rows, transposed; ``GATED``: the up rows ``N`` below)."""
+    ks = tl.arange(0, BLOCK_K)
+    up_ptrs = w_ptrs + N * stride_w_row  # GATED: the up rows, N below the gate rows
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        k_mask = ks < K - k_start
+        a = tl.load(a_ptrs, mask=a_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc)
+        if GATED:
+            acc_up = tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0), acc_up)
+            up_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc, acc_up
+
+
 @triton.jit(do_not_specialize=["num_slots"])
 def _expert_gemm_kernel(
     a_ptr, w_ptr, shared_w_ptr, out_ptr, routing_weights_ptr,
@@ -61,31 +84,19 @@ def _expert_gemm_kernel(
         return
 
     expert = tl.load(block_experts_ptr + pid_m)
-    if expert == num_experts:
-        expert_w_ptr = shared_w_ptr
-    else:
-        expert_w_ptr = w_ptr + expert * stride_w_expert
     slots = tl.load(slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     slot_mask = slots < num_slots  # padding entries hold num_slots
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     col_mask = cols < N
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (slots // SLOTS_PER_A_ROW)[:, None] * stride_a_row + ks[None, :]  # [BM, BK]
+    if expert == num_experts:
+        expert_w_ptr = shared_w_ptr
+    else:
+        expert_w_ptr = w_ptr + expert * stride_w_expert
     w_ptrs = expert_w_ptr + cols[None, :] * stride_w_row + ks[:, None]  # [BK, BN]: w[e]^T
-    up_ptrs = w_ptrs + N * stride_w_row  # GATED: the up rows, N below the gate rows
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
-        k_mask = ks < K - k_start
-        a = tl.load(a_ptrs, mask=slot_mask[:, None] & k_mask[None, :], other=0.0)
-        w_mask = k_mask[:, None] & col_mask[None, :]
-        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc)
-        if GATED:
-            acc_up = tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0), acc_up)
-            up_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc, acc_up = _pointer_tiles(a_ptrs, slot_mask, w_ptrs, N, K, stride_w_row, col_mask,
+                                 GATED, BLOCK_M, BLOCK_N, BLOCK_K)
 
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up
@@ -109,7 +120,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, shared_w: torch.Tensor, out: torch
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         SLOTS_PER_A_ROW=slots_per_a_row, GATED=gated,
         BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        GROUP_M=config.GROUP_M, num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUP_M=config.GROUP_M, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
 
