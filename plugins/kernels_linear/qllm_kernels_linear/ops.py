@@ -67,8 +67,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     its shape or in parts ``[..., S, D]``, the leading dims flattened to rows."""
     dim = residual.shape[-1]
     residual2 = residual.reshape(-1, dim)
-    rows = residual2.shape[0]
-    x2 = x.reshape(rows, -1, dim) if x.dim() > residual.dim() else x.reshape(rows, dim)
+    x2 = x.reshape(residual2.shape[0], -1, dim)  # [T, S, D]; S = 1 for x of residual's shape
     x2, residual2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, residual2))
     normed, summed = add_rms_norm_rows(x2, residual2, weight, eps, zero_centered)
     return normed.view(residual.shape), summed.view(residual.shape)

@@ -120,8 +120,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, shared_w: torch.Tensor, out: torch
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         SLOTS_PER_A_ROW=slots_per_a_row, GATED=gated,
         BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        GROUP_M=config.GROUP_M, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        GROUP_M=config.GROUP_M, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
