@@ -236,9 +236,10 @@ class AsyncEngine:
             text = seq.output_text
             # A stop string may still complete: hold back the characters it could start in,
             # so that the deltas always concatenate to the final (cut) text.
-            end = len(text) if seq.is_finished else len(text) - tracked.holdback
+            end = len(text) if seq.is_finished else max(tracked.sent,
+                                                        len(text) - tracked.holdback)
             delta = text[tracked.sent:end]
-            tracked.sent = max(tracked.sent, end)
+            tracked.sent = end
             outputs.append((tracked.group, RequestOutput(tracked.index, delta,
                                                          seq.num_output_tokens,
                                                          seq.finish_reason)))
