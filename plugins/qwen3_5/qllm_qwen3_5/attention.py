@@ -28,10 +28,12 @@ class GatedAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = bool(getattr(config, "attention_bias", False))
         # q_proj rows are [q | gate] per head; they stay interleaved inside the "q" shard.
         self.qkv_proj = PackedLinear(config.hidden_size,
-                                     {"q": 2 * q_size, "k": kv_size, "v": kv_size}, kernels)
-        self.o_proj = Linear(q_size, config.hidden_size, kernels)
+                                     {"q": 2 * q_size, "k": kv_size, "v": kv_size}, kernels,
+                                     bias=bias)
+        self.o_proj = Linear(q_size, config.hidden_size, kernels, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered=True)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered=True)
         self.qk_rotary = QKNormRotary(self.head_dim, rotary_dim_of(config),

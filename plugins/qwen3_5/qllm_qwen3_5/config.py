@@ -84,19 +84,12 @@ def validate(text_config, variant: Variant) -> None:
     if getattr(c, "hidden_act", "silu") != "silu":
         raise Qwen3_5ConfigError(f"config hidden_act {c.hidden_act!r} is not supported "
                                  f"(only 'silu')")
-    if getattr(c, "attention_bias", False):
-        raise Qwen3_5ConfigError("config attention_bias=True is not supported")
     if variant.moe:
         _positive(c, "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                   "shared_expert_intermediate_size")
         if c.num_experts_per_tok > c.num_experts:
             raise Qwen3_5ConfigError(f"config num_experts_per_tok ({c.num_experts_per_tok}) "
                                      f"exceeds num_experts ({c.num_experts})")
-        if c.shared_expert_intermediate_size != c.moe_intermediate_size:
-            raise Qwen3_5ConfigError(
-                f"config shared_expert_intermediate_size ({c.shared_expert_intermediate_size}) "
-                f"differs from moe_intermediate_size ({c.moe_intermediate_size}); qllm runs the "
-                "shared expert as one more routed-size expert, which needs them equal")
     if not variant.moe or any(not is_sparse_layer(variant, c, i)
                               for i in range(c.num_hidden_layers)):
         _positive(c, "intermediate_size")

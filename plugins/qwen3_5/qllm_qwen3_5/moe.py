@@ -1,11 +1,13 @@
 """Sparse MoE block (``mlp.*``): fp32 softmax router, top-k, renormalise, SwiGLU experts,
 plus a shared expert scaled by ``sigmoid(shared_expert_gate(x))``.
 
-The shared expert runs as one more expert of the routed computation: expert ``E`` (past the
-``E`` routed ones), with a ``k + 1``-th slot per token weighted by the sigmoid of its gate. The
-``moe_router`` op emits that slot and the ``fused_moe`` op computes every slot, so GPU plugins
-replace the whole block's expert work with one grouped computation (no separate shared-expert
-matmuls, activation and combine). The router's and the shared gate's rows of the input share
+The ``moe_router`` op gives each token ``k + 1`` slots: its top-``k`` routed experts, then the
+shared expert (id ``E``, past the ``E`` routed ones) weighted by the sigmoid of its gate. When
+the shared expert has the routed experts' size (every released checkpoint), the ``fused_moe``
+op computes all ``k + 1`` slots, so GPU plugins replace the whole block's expert work with one
+grouped computation (no separate shared-expert matmuls, activation and combine). Otherwise the
+op computes the ``k`` routed slots and the shared expert runs as its own SwiGLU MLP, its gated
+output appended as slot ``k + 1``. The router's and the shared gate's rows of the input share
 one matmul; the plain-torch references of both ops are registered by this plugin.
 """
 
@@ -16,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from qllm.layers.activation import silu_and_mul
-from qllm.layers.linear import Linear, PackedLinear, default_weight_loader
+from qllm.layers.linear import PackedLinear, default_weight_loader
+from qllm.layers.mlp import SwiGLUMLP
 from qllm.plugins import Kernels
 
 
@@ -94,8 +97,8 @@ class StackedExpertWeight(nn.Module):
 class Experts(nn.Module):
     """The routed experts, ``gate_up_proj.weight [E, 2I, H]`` (gate rows first) and
     ``down_proj.weight [E, H, I]`` (see ``Qwen3_5ForCausalLM.checkpoint_name`` for the
-    checkpoint names), run with the shared expert's weights as ``E + 1`` experts by the
-    ``fused_moe`` op."""
+    checkpoint names), run by the ``fused_moe`` op, with the shared expert's weights as
+    expert ``E`` (``forward``) or alone (``routed``)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  kernels: Kernels):
@@ -113,6 +116,14 @@ class Experts(nn.Module):
         ``[T, k + 1, H]``, summed by the residual add that follows."""
         return self._fused_moe(x, self.gate_up_proj.weight, self.down_proj.weight,
                                topk_weights, topk_ids, shared_w13, shared_w2)
+
+    def routed(self, x: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]``, routing ``[T, k]`` among the routed experts only -> each slot's
+        weighted expert output ``[T, k, H]``. No slot names expert ``E``, so the op never reads
+        its shared-expert weights: expert 0's fill them, of the shapes the op checks."""
+        w13, w2 = self.gate_up_proj.weight, self.down_proj.weight
+        return self._fused_moe(x, w13, w2, topk_weights, topk_ids, w13[0], w2[0])
 
 
 def moe_router(logits: torch.Tensor, top_k: int,
@@ -155,27 +166,39 @@ class SparseMoeBlock(nn.Module):
     """Routed experts plus a gated shared expert. ``input_proj`` packs the rows of HF's
     ``gate`` (router) and ``shared_expert_gate`` (``INPUT_PROJ_SHARDS``), adjacent so that
     the router op reads both as one ``[T, E + 1]`` view, the rows padded to a multiple of 8
-    (16-byte aligned output rows); ``shared_expert.{gate_up,down}_proj`` hold the shared
-    expert."""
+    (16-byte aligned output rows); ``shared_expert`` holds the shared expert, run inside the
+    ``fused_moe`` op when ``shared_expert_fused`` (it has the routed experts' size), else on
+    its own."""
 
     def __init__(self, config, kernels: Kernels, renormalize: bool):
         super().__init__()
-        shared = config.shared_expert_intermediate_size  # == moe_intermediate_size (validate)
         self.num_experts = config.num_experts
         self.input_proj = PackedLinear(config.hidden_size, {
             "router": config.num_experts, "shared_expert_gate": 1}, kernels, row_multiple=8)
         self.router = Router(config.num_experts_per_tok, renormalize, kernels)
         self.experts = Experts(config.num_experts, config.hidden_size,
                                config.moe_intermediate_size, kernels)
-        self.shared_expert = nn.ModuleDict({
-            "gate_up_proj": PackedLinear(config.hidden_size, {"gate": shared, "up": shared},
-                                         kernels),
-            "down_proj": Linear(shared, config.hidden_size, kernels)})
+        self.shared_expert = SwiGLUMLP(config.hidden_size,
+                                       config.shared_expert_intermediate_size, kernels)
+        self.shared_expert_fused = (config.shared_expert_intermediate_size
+                                    == config.moe_intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]`` -> the per-slot outputs ``[T, k + 1, H]``, whose sum is the block's
-        output: the decoder layer's residual add (``RMSNorm`` with a residual) takes them."""
+        """``x [T, H]`` -> the per-slot outputs ``[T, k + 1, H]`` (the last slot the shared
+        expert's), whose sum is the block's output: the decoder layer's residual add
+        (``RMSNorm`` with a residual) takes them."""
         logits = self.input_proj(x)[:, :self.num_experts + 1]  # [T, E + 1]: router, shared gate
         weights, ids = self.router(logits)  # [T, k + 1] each
-        return self.experts(x, weights, ids, self.shared_expert["gate_up_proj"].weight,
-                            self.shared_expert["down_proj"].weight)
+        if self.shared_expert_fused:
+            return self.experts(x, weights, ids, self.shared_expert.gate_up_proj.weight,
+                                self.shared_expert.down_proj.weight)
+        return self._routed_then_shared(x, weights, ids)
+
+    def _routed_then_shared(self, x: torch.Tensor, weights: torch.Tensor,
+                            ids: torch.Tensor) -> torch.Tensor:
+        """A shared expert of another size than the routed ones: the ``k`` routed slots
+        through the ``fused_moe`` op, then the shared expert's own MLP times its gate weight
+        (the router's last slot) as one more slot -> ``[T, k + 1, H]``."""
+        routed = self.experts.routed(x, weights[:, :-1], ids[:, :-1])  # [T, k, H]
+        shared = self.shared_expert(x) * weights[:, -1:]  # [T, H]
+        return torch.cat([routed, shared[:, None]], dim=1)
