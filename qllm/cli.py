@@ -27,13 +27,16 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enforce-eager", action="store_true", default=None,
                        help="no torch.compile / CUDA graphs")
     group.add_argument("--load-format", choices=["auto", "safetensors", "dummy"])
+    group.add_argument("--quantization", help="weight format from a plugin, e.g. int8 or fp8 "
+                                              "(qllm-kernels-int8); a quantized checkpoint's "
+                                              "own format is used without it")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The engine options given on the command line, as ``LLM`` keyword arguments."""
     names = ["dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
              "gpu_memory_utilization", "kv_cache_memory_bytes", "block_size", "enforce_eager",
-             "load_format"]
+             "load_format", "quantization"]
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 

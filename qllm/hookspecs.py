@@ -54,3 +54,19 @@ def qllm_kernels():
     true is chosen once, when the model is built. The core registers plain-torch reference
     kernels at priority 0; GPU plugins register faster ones at higher priority.
     """
+
+
+@hookspec
+def qllm_weight_formats():
+    """Return a list of ``WeightFormatSpec``: named weight formats (quantization methods).
+
+    Called once when an engine resolves ``EngineConfig.quantization`` (``LLM(...,
+    quantization=NAME)``, ``--quantization NAME``) or a checkpoint's own
+    ``quantization_config`` (its ``quant_method`` is looked up in each spec's
+    ``checkpoint_methods``). The chosen spec's ``create`` makes a ``qllm.quantization.
+    WeightFormat``, which swaps modules of the meta-device model before it is materialised,
+    maps checkpoint tensors (weights, scales) onto the swapped modules while loading, and
+    post-processes them after; the swapped modules call the ops the format names in
+    ``WeightFormatSpec.ops`` (registered through ``qllm_kernels`` like any op). The core knows
+    no format by name; two plugins registering one name is an error.
+    """

@@ -58,6 +58,38 @@ def iterate_checkpoint(files: list[str], device: torch.device,
                 from exc
 
 
+def checkpoint_dtypes(files: list[str]) -> dict[str, torch.dtype]:
+    """Each checkpoint tensor's dtype, read from the safetensors headers (no tensor data)."""
+    dtypes = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    dtypes[name] = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise CheckpointError(f"cannot read {path}: it is corrupt or truncated ({exc})") \
+                from exc
+    return dtypes
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+def resolve_name(model: CausalLM, ckpt_name: str) -> tuple[str, str | None] | None:
+    """The ``(parameter name, shard)`` a checkpoint tensor loads into (``shard`` ``None``:
+    the whole parameter), or ``None`` when the model does not use it: ``checkpoint_name``,
+    then ``packed_modules``."""
+    name = model.checkpoint_name(ckpt_name)
+    if name is None:
+        return None
+    # checkpoint_name may name the shard itself, e.g. ("...experts.down_proj.weight", "3")
+    return name if isinstance(name, tuple) else _apply_packing(model, name)
+
+
 def load_weights(model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Copy checkpoint tensors into ``model``; every parameter must be filled exactly once."""
     params = dict(model.named_parameters())
@@ -70,12 +102,11 @@ def load_weights(model: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -
     loaded: set[tuple[str, str | None]] = set()
     skipped = 0
     for ckpt_name, tensor in weights:
-        name = model.checkpoint_name(ckpt_name)
-        if name is None:
+        resolved = resolve_name(model, ckpt_name)
+        if resolved is None:
             skipped += 1
             continue
-        # checkpoint_name may name the shard itself, e.g. ("...experts.down_proj.weight", "3")
-        name, shard = name if isinstance(name, tuple) else _apply_packing(model, name)
+        name, shard = resolved
         param = params.get(name)
         if param is None:
             raise CheckpointError(f"unexpected tensor {ckpt_name!r} in the checkpoint: the model "
@@ -112,10 +143,17 @@ def _apply_packing(model: CausalLM, name: str) -> tuple[str, str | None]:
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     """Deterministic random weights (as vLLM's ``--load-format dummy``): matrices ~ N(0, 0.02),
     vectors (norms, biases, gates) ~ 1 + U(-0.01, 0.01) — enough for speed runs at real
-    geometry without a checkpoint."""
+    geometry without a checkpoint. A parameter of a 1-byte dtype (int8 / fp8 weights of a
+    weight format) gets such a matrix in fp32 through its module's ``weight_loader``, which
+    quantizes it."""
+    modules = dict(model.named_modules())
     for index, (name, param) in enumerate(sorted(model.named_parameters())):
         generator = torch.Generator(device=param.device).manual_seed(seed * 100003 + index)
-        if param.dim() >= 2:
+        if param.element_size() == 1:
+            matrix = torch.empty(param.shape, device=param.device).normal_(
+                0.0, 0.02, generator=generator)
+            modules[name.rpartition(".")[0]].weight_loader(param, matrix)
+        elif param.dim() >= 2:
             param.normal_(0.0, 0.02, generator=generator)
         else:
             param.uniform_(0.99, 1.01, generator=generator)

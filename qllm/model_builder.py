@@ -9,9 +9,11 @@ import os
 import torch
 
 from qllm.config import EngineConfig
-from qllm.loader import checkpoint_files, init_dummy_weights, iterate_checkpoint, load_weights
+from qllm.loader import (checkpoint_dtypes, checkpoint_files, init_dummy_weights,
+                         iterate_checkpoint, load_weights)
 from qllm.model_api import CausalLM
 from qllm.plugins import Kernels, PluginRegistry
+from qllm.quantization import resolve_weight_format
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +45,32 @@ def load_hf_config(model_dir: str, plugins: PluginRegistry):
 def build_model(config: EngineConfig, hf_config, plugins: PluginRegistry, kernels: Kernels,
                 device: torch.device) -> CausalLM:
     """Build on the meta device, materialise on ``device`` in ``config.dtype``, then load the
-    checkpoint (or dummy weights) straight into the device tensors."""
+    checkpoint (or dummy weights) straight into the device tensors. A weight format
+    (``qllm.quantization``: ``config.quantization`` or the checkpoint's own
+    ``quantization_config``) swaps its modules in on the meta device, after the cast to
+    ``config.dtype``, and maps and post-processes the checkpoint's tensors."""
     spec = plugins.model_spec(hf_config.architectures)
-    logger.info("building %s from %s with kernels %s", spec.architecture, spec.plugin,
-                kernels.names())
+    weight_format = resolve_weight_format(plugins, config.quantization, hf_config, config,
+                                          kernels)
+    logger.info("building %s from %s with kernels %s%s", spec.architecture, spec.plugin,
+                kernels.names(), f", weights {weight_format.name}" if weight_format else "")
+    dummy = config.load_format == "dummy"
+    files = None if dummy else checkpoint_files(config.model)
     with torch.device("meta"):
         model = spec.build(hf_config, kernels, config)
-    model = model.to(config.dtype).to_empty(device=device)
+    model = model.to(config.dtype)
+    if weight_format is not None:
+        weight_format.replace_modules(model, kernels, None if dummy else checkpoint_dtypes(files))
+    model = model.to_empty(device=device)
     model.tie_weights()
     model.reset_derived_buffers()
-    if config.load_format == "dummy":
+    if dummy:
         init_dummy_weights(model, config.seed)
     else:
-        load_weights(model, iterate_checkpoint(checkpoint_files(config.model), device))
+        weights = iterate_checkpoint(files, device)
+        if weight_format is not None:
+            weights = weight_format.map_checkpoint(model, weights)
+        load_weights(model, weights)
+    if weight_format is not None:
+        weight_format.process_weights_after_loading(model)
     return model.eval()

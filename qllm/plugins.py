@@ -10,7 +10,7 @@ import pluggy
 import torch
 
 from qllm import hookspecs
-from qllm.specs import CacheKindSpec, KernelSpec, LayerKindSpec, ModelSpec
+from qllm.specs import CacheKindSpec, KernelSpec, LayerKindSpec, ModelSpec, WeightFormatSpec
 
 
 class DuplicateRegistrationError(ValueError):
@@ -80,6 +80,11 @@ class PluginRegistry:
     def layer_kinds(self) -> dict[str, LayerKindSpec]:
         return _unique(self._collect(self.manager.hook.qllm_layer_kinds),
                        lambda spec: spec.name, "layer kind")
+
+    @functools.cached_property
+    def weight_formats(self) -> dict[str, WeightFormatSpec]:
+        return _unique(self._collect(self.manager.hook.qllm_weight_formats),
+                       lambda spec: spec.name, "weight format")
 
     def model_spec(self, architectures: list[str]) -> ModelSpec:
         """The spec serving the first of ``architectures`` that some plugin serves."""

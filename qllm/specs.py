@@ -65,6 +65,26 @@ class KernelSpec:
     is_available: Callable[[torch.device, torch.dtype], bool] = lambda device, dtype: True
 
 
+@dataclass(frozen=True)
+class WeightFormatSpec:
+    """A named weight format (quantization method), e.g. 8-bit weights with scales.
+
+    ``create(quant_config, engine_config) -> qllm.quantization.WeightFormat`` makes the format
+    for one model: ``quant_config`` is the checkpoint's ``quantization_config`` (a dict) when
+    the checkpoint is stored in this format, else ``None`` (quantize a full-precision
+    checkpoint at load). ``checkpoint_methods`` lists the ``quant_method`` values of
+    ``quantization_config`` that this format loads; ``ops`` the kernel ops its modules call
+    (the engine checks that an implementation of each is registered).
+    """
+
+    name: str
+    create: Callable[..., Any]
+    plugin: str
+    checkpoint_methods: tuple[str, ...] = ()
+    ops: tuple[str, ...] = ()
+    description: str = ""
+
+
 def triton_on_cuda(dtypes: tuple[torch.dtype, ...] = HALF_DTYPES
                    ) -> Callable[[torch.device, torch.dtype], bool]:
     """A ``KernelSpec.is_available`` for Triton kernels: a CUDA device, an activation dtype
