@@ -1,10 +1,55 @@
-"""Validated settings: per-request ``SamplingParams`` and per-engine ``EngineConfig``."""
+"""Validated settings: per-request ``SamplingParams`` and per-engine ``EngineConfig``.
+
+Both check every field against its annotation when built (``TypeError`` naming the field),
+then its range (``ValueError`` naming the field).
+"""
 
 from __future__ import annotations
 
+import functools
+import math
+import numbers
+import types
+import typing
 from dataclasses import dataclass, field, fields
 
 import torch
+
+
+def check_field_types(settings) -> None:
+    """Raise ``TypeError`` naming the first field of the dataclass ``settings`` whose value
+    does not match its annotation, or ``ValueError`` for a number that is not finite. A bool
+    is not a number here; a list or tuple matches either annotation."""
+    hints = _type_hints(type(settings))
+    for f in fields(settings):
+        value = getattr(settings, f.name)
+        if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) \
+                and not math.isfinite(value):
+            raise ValueError(f"{f.name} must be a finite number, got {value!r}")
+        if not _matches(value, hints[f.name]):
+            raise TypeError(f"{f.name} must be of type {f.type}, got {value!r} "
+                            f"({type(value).__name__})")
+
+
+@functools.cache
+def _type_hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _matches(value, hint) -> bool:
+    """Whether ``value`` is of the type annotation ``hint``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in args)
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple)) and all(_matches(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_matches(k, args[0]) and _matches(v, args[1])
+                                               for k, v in value.items())
+    if hint in (int, float):
+        number = numbers.Integral if hint is int else numbers.Real
+        return isinstance(value, number) and not isinstance(value, bool)
+    return isinstance(value, hint)
 
 
 @dataclass
@@ -13,7 +58,9 @@ class SamplingParams:
 
     temperature 0 is greedy; ``top_k=-1`` and ``top_p=1`` disable those filters (a ``top_k``
     past the vocabulary keeps every token); ``seed`` makes a request's sampling reproducible
-    regardless of what it is batched with.
+    regardless of what it is batched with; ``stop`` takes one string or a list of them. A
+    value of the wrong type raises ``TypeError``, one out of range ``ValueError``, each naming
+    the field.
     """
 
     temperature: float = 1.0
@@ -28,23 +75,23 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
-                or self.max_tokens < 1:
+        self.stop = [] if self.stop is None else self.stop
+        self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        check_field_types(self)
+        self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
+        if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
+        if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < 2**64):
+        if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if not all(self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, "
                              f"got {self.stop_token_ids!r}")
 
@@ -53,16 +100,39 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def resolve_dtype(dtype) -> torch.dtype | None:
-    """Accept a ``torch.dtype``, its name ("bfloat16", "float32", "bf16"...) or None."""
+def resolve_dtype(dtype, field: str = "dtype") -> torch.dtype | None:
+    """Accept a ``torch.dtype``, its name ("bfloat16", "float32", "bf16"...) or None; errors
+    name ``field``."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
+    if not isinstance(dtype, str):
+        raise TypeError(f"{field} must be a torch.dtype or its name, got {dtype!r}")
     aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                "float": "float32"}
-    name = aliases.get(str(dtype), str(dtype)).removeprefix("torch.")
+    name = aliases.get(dtype, dtype).removeprefix("torch.")
     resolved = getattr(torch, name, None)
     if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'bfloat16', 'float16', 'float32'")
+        raise ValueError(f"unknown {field} {dtype!r}; use e.g. 'bfloat16', 'float16', "
+                         f"'float32'")
+    return resolved
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """The device an engine runs on: ``device`` ("cpu", "cuda", "cuda:1"), by default CUDA
+    when present, else the CPU. A device this machine lacks raises ``ValueError``."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (resolved.index or 0) >= count:
+            raise ValueError(f"device {device!r} is not available: this machine has "
+                             f"{count} CUDA device(s) that torch can use; use device='cpu'")
     return resolved
 
 
@@ -71,7 +141,9 @@ class EngineConfig:
     """Engine-wide settings. ``LLM(...)`` keyword arguments map onto these fields."""
 
     model: str
-    dtype: torch.dtype | None = None
+    # a torch.dtype or its name; "auto": the checkpoint's; None: fp32 on CPU, the checkpoint's
+    # half precision (else bfloat16) on GPU. The engine replaces it with the dtype it runs in
+    dtype: torch.dtype | str | None = None
     device: str | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
@@ -101,19 +173,19 @@ class EngineConfig:
     quantization: str | None = None
 
     def __post_init__(self):
-        self.dtype = resolve_dtype(self.dtype)
-        self.recurrent_state_dtype = resolve_dtype(self.recurrent_state_dtype)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        if self.dtype != "auto":
+            self.dtype = resolve_dtype(self.dtype)
+        self.recurrent_state_dtype = resolve_dtype(self.recurrent_state_dtype,
+                                                   "recurrent_state_dtype")
+        check_field_types(self)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len",
+                     "kv_cache_memory_bytes", "num_kv_blocks"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization!r}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', "
                              f"got {self.load_format!r}")

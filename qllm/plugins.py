@@ -99,7 +99,8 @@ class PluginRegistry:
         raise UnknownArchitectureError(
             f"no installed qllm plugin serves architectures {architectures}. "
             f"Installed plugins and what they serve: {listing}. "
-            f"Install the plugin for this model (e.g. `pip install qllm-qwen3`).")
+            f"Install the plugin for this model from the qllm source tree (e.g. "
+            f"`pip install -e plugins/qwen3`).")
 
     def kernels(self, device: torch.device, dtype: torch.dtype,
                 pinned: dict[str, str] | None = None) -> Kernels:

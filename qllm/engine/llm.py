@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from tqdm.auto import tqdm
@@ -23,8 +24,10 @@ class LLM:
     an unknown one raises ``TypeError``.
     """
 
-    def __init__(self, model: str, *, plugins: PluginRegistry | None = None, **options):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(str(model), **options), plugins)
+    def __init__(self, model: str | os.PathLike, *, plugins: PluginRegistry | None = None,
+                 **options):
+        model = os.fspath(model) if isinstance(model, os.PathLike) else model
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **options), plugins)
         self.last_throughput: dict[str, float] = {}
 
     @property
@@ -33,24 +36,17 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None
                  = None, use_tqdm: bool = True) -> list[dict]:
-        """Generate for each prompt (a string or a list of token ids).
+        """Generate for each prompt (a string or a list of token ids): one prompt or a list.
 
         ``sampling_params`` is one ``SamplingParams`` for all prompts or one per prompt.
         Returns, in prompt order, dicts with ``text``, ``token_ids`` (generated tokens only),
         ``prompt_token_ids``, ``finish_reason`` and ``num_cached_tokens`` (prompt tokens
-        served from the prefix cache). Every prompt is validated before any runs.
+        served from the prefix cache). Every prompt is validated before any runs: prompts or
+        sampling params of the wrong kind raise ``TypeError``, a prompt that cannot be served
+        (not text or token ids, empty, too long) ``ValueError``.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} sampling params for "
-                             f"{len(prompts)} prompts")
+        prompts = _prompt_list(prompts)
+        sampling_params = _params_list(sampling_params, len(prompts))
         token_ids = [self.engine.tokenize(p) for p in prompts]
         for ids in token_ids:
             self.engine.validate(ids)
@@ -79,16 +75,78 @@ class LLM:
                                 "tokens_per_second": generated / max(elapsed, 1e-9)}
 
     def chat(self, conversations, sampling_params=None, use_tqdm: bool = True) -> list[dict]:
-        """Generate replies to chat conversations (lists of ``{"role", "content"}``) through
-        the tokenizer's chat template. One conversation or a list of them."""
+        """Generate replies to chat conversations through the tokenizer's chat template: one
+        conversation (a list of ``{"role", "content"}`` messages) or a list of them. Roles
+        are ``CHAT_ROLES``; "developer" (OpenAI's newer name for it) is sent as "system"."""
         if self.tokenizer is None:
             raise ValueError(f"{self.engine.config.model} has no tokenizer for chat")
-        if conversations and isinstance(conversations[0], dict):
+        if isinstance(conversations, list) and conversations \
+                and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.tokenizer.apply_chat_template(conv, tokenize=False,
+        if not isinstance(conversations, list):
+            raise TypeError(f"conversations must be a list of messages or a list of "
+                            f"conversations, got {type(conversations).__name__}")
+        prompts = [self.tokenizer.apply_chat_template(chat_messages(conv), tokenize=False,
                                                       add_generation_prompt=True)
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def chat_messages(conversation) -> list[dict]:
+    """``conversation`` checked and ready for a chat template: a non-empty list of message
+    dicts, each with a ``role`` of ``CHAT_ROLES`` ("developer" becomes "system", the role
+    Qwen's templates render) and a string ``content``. Other keys pass through to the
+    template. Raises ``ValueError`` naming the message and the field at fault: a template
+    silently drops what it does not know."""
+    if not isinstance(conversation, list) or not conversation:
+        raise ValueError(f"a conversation must be a non-empty list of messages, "
+                         f"got {conversation!r}")
+    messages = []
+    for i, message in enumerate(conversation):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', "
+                             f"got {message!r}")
+        role, content = message.get("role"), message.get("content")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, "
+                             f"got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string, got {content!r}")
+        messages.append({**message, "role": "system" if role == "developer" else role})
+    return messages
+
+
+def _prompt_list(prompts) -> list:
+    """``prompts`` as a list: one prompt (a string or a list of token ids) or a list of them."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                    and isinstance(prompts[0], int)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        return list(prompts)
+    hint = " (for {'prompt': text}, pass the text itself)" if isinstance(prompts, dict) else ""
+    raise TypeError(f"prompts must be a string, a list of token ids or a list of those, "
+                    f"got {type(prompts).__name__}{hint}")
+
+
+def _params_list(sampling_params, num_prompts: int) -> list[SamplingParams]:
+    """One ``SamplingParams`` per prompt, from None (the defaults), one for all, or a list."""
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    if not isinstance(sampling_params, (list, tuple)) or not all(
+            isinstance(p, SamplingParams) for p in sampling_params):
+        hint = " (build one with SamplingParams(**params))" \
+            if isinstance(sampling_params, dict) else ""
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, one per "
+                        f"prompt, got {type(sampling_params).__name__}{hint}")
+    if len(sampling_params) != num_prompts:
+        raise ValueError(f"got {len(sampling_params)} sampling params for "
+                         f"{num_prompts} prompts")
+    return list(sampling_params)
 
 
 def _result(seq: Sequence) -> dict:

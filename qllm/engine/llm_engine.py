@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 
 import torch
 
 from qllm.cache.registry import CacheRegistry
-from qllm.config import EngineConfig, SamplingParams
+from qllm.config import EngineConfig, SamplingParams, resolve_device
 from qllm.engine.detokenizer import IncrementalDetokenizer
 from qllm.engine.scheduler import Scheduler
 from qllm.engine.sequence import Sequence, SequenceStatus
@@ -38,15 +39,13 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, plugins: PluginRegistry | None = None):
         self.plugins = plugins or default_registry()
-        if not os.path.isdir(config.model):
-            raise FileNotFoundError(f"model directory {config.model!r} does not exist")
+        check_model_dir(config.model)
+        self.device = resolve_device(config.device)
         hf_config = load_hf_config(config.model, self.plugins)
         self.hf_config = hf_config
         text_config = hf_config.get_text_config()
         self.vocab_size = text_config.vocab_size
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available()
-                                                     else "cpu"))
-        config.dtype = config.dtype or default_dtype(text_config, self.device)
+        config.dtype = model_dtype(config.dtype, hf_config, self.device)
         max_positions = text_config.max_position_embeddings
         if config.max_model_len is None:
             config.max_model_len = max_positions
@@ -206,12 +205,37 @@ class LLMEngine:
                                                     skip_special_tokens=True)
 
 
-def default_dtype(text_config, device: torch.device) -> torch.dtype:
-    """fp32 on CPU; on GPU the checkpoint's half-precision dtype, else bfloat16."""
+def check_model_dir(path: str) -> None:
+    """Raise unless ``path`` is a local checkpoint directory, saying what it is instead: a
+    file (``NotADirectoryError``), or nothing here (``FileNotFoundError``; a Hugging Face repo
+    name gets a hint to download it first, as qllm serves only local directories)."""
+    if os.path.isdir(path):
+        return
+    if os.path.exists(path):
+        raise NotADirectoryError(f"model {path!r} is not a directory; give the checkpoint "
+                                 f"directory that holds config.json and the weights")
+    hint = ""
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith("."):
+        hint = (f"; it looks like a Hugging Face repo name, but qllm serves only local "
+                f"directories: download it first, e.g. `hf download {path} --local-dir "
+                f"{path.split('/')[1]}`")
+    raise FileNotFoundError(f"model directory {path!r} does not exist{hint}")
+
+
+def model_dtype(requested: torch.dtype | str | None, hf_config,
+                device: torch.device) -> torch.dtype:
+    """The dtype to run in: ``requested`` if a dtype; "auto": the checkpoint's (its
+    config.json's ``dtype``, as transformers and vLLM read it) when it records one; None
+    (or "auto" without one): fp32 on CPU, on GPU the checkpoint's half precision, else
+    bfloat16."""
+    if isinstance(requested, torch.dtype):
+        return requested
+    checkpoint = hf_config.get_text_config().dtype or hf_config.dtype
+    if requested == "auto" and isinstance(checkpoint, torch.dtype):
+        return checkpoint
     if device.type == "cpu":
         return torch.float32
-    dtype = getattr(text_config, "dtype", None)
-    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
 def load_tokenizer(model_dir: str):
