@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -86,7 +87,33 @@ BAD_REQUESTS = {
         "max_tokens"),
     "chat: too long": ("chat/completions", {"model": M, "messages": [
         {"role": "user", "content": "hello " * MAX_MODEL_LEN}]}, 400, "messages"),
+    "chat: message without content": ("chat/completions", {"model": M, "messages": [
+        {"role": "user"}]}, 422, "messages.0.content"),
+    "chat: null content": ("chat/completions", {"model": M, "messages": [
+        {"role": "user", "content": None}]}, 422, "messages.0.content"),
 }
+# Fields of OpenAI's schemas (and vLLM's) the server does not implement: a 400 naming the
+# field, not a 200 that ignored it (field: (endpoint, a value that is not neutral)).
+UNSUPPORTED = {
+    "logprobs": ("completions", 1), "echo": ("completions", True),
+    "best_of": ("completions", 2), "suffix": ("completions", "!"),
+    "presence_penalty": ("completions", 0.5), "frequency_penalty": ("chat/completions", 1.0),
+    "repetition_penalty": ("completions", 1.2), "logit_bias": ("completions", {"11": 5}),
+    "min_p": ("completions", 0.1), "top_logprobs": ("chat/completions", 2),
+    "tools": ("chat/completions", [{"type": "function", "function": {"name": "f"}}]),
+    "tool_choice": ("chat/completions", "required"),
+    "response_format": ("chat/completions", {"type": "json_object"}),
+    "max_token": ("completions", 5),  # a typo of max_tokens
+}
+for name, (endpoint, value) in UNSUPPORTED.items():
+    body = {"model": M, "prompt": "hi"} if endpoint == "completions" else {"model": M,
+                                                                         "messages": USER}
+    BAD_REQUESTS[f"unsupported {name}"] = (endpoint, {**body, name: value}, 400, name)
+BAD_REQUESTS["unsupported messages.0.name"] = ("chat/completions", {"model": M, "messages": [
+    {**USER[0], "name": "bob"}]}, 400, "messages.0.name")
+BAD_REQUESTS["unsupported stream_options field"] = ("completions", {
+    "model": M, "prompt": "hi", "stream_options": {"continuous_usage_stats": True}}, 400,
+    "stream_options.continuous_usage_stats")
 
 
 @pytest.mark.parametrize("endpoint, body, status, param", BAD_REQUESTS.values(),
@@ -137,4 +164,63 @@ def test_server_still_answers_correctly_after_bad_requests(server):  # noqa: F81
         httpx.post(f"{server.base_url}/v1/{endpoint}", content=content,
                    headers={"content-type": "application/json"})
     assert answer() == before
+    assert server.wait_until_idle(1.0)
+
+
+def test_unsupported_fields_at_their_neutral_values_are_accepted(server):  # noqa: F811
+    """What clients send when they mean "off" (null, 0, false, {}) changes nothing."""
+    body = {"model": M, "prompt": "The capital of France is", "max_tokens": 8,
+            "temperature": 0}
+    neutral = {"logprobs": None, "echo": False, "best_of": 1, "suffix": None,
+               "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+               "repetition_penalty": 1, "user": "someone"}
+    texts = []
+    for extra in ({}, neutral):
+        response = httpx.post(f"{server.base_url}/v1/completions", json={**body, **extra},
+                              timeout=30)
+        assert response.status_code == 200, response.text
+        texts.append(response.json()["choices"][0]["text"])
+    assert texts[0] == texts[1]
+    chat = {"model": M, "messages": USER, "max_tokens": 4, "tools": [], "tool_choice": "none",
+            "response_format": {"type": "text"}, "logprobs": False, "top_logprobs": 0}
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=chat, timeout=30)
+    assert response.status_code == 200, response.text
+
+
+def test_openai_client_gets_bad_request_for_unsupported_fields(server):  # noqa: F811
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty is not supported"):
+        client.completions.create(model=M, prompt="hi", presence_penalty=1.0)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.chat.completions.create(model=M, messages=USER, logprobs=True)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_aborted_requests_end_with_an_openai_finish_reason(server, stream):  # noqa: F811
+    """Requests aborted (as at shutdown, after the grace period) once ended with "abort",
+    which OpenAI's schema does not have; they now end with "length": cut short."""
+    body = {"model": M, "prompt": "Count slowly", "max_tokens": 80, "ignore_eos": True,
+            "temperature": 0, "n": 2, "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {})}
+
+    async def abort_while_generating() -> list[dict]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            request = asyncio.ensure_future(client.post("/v1/completions", json=body))
+            while not server.engine.scheduler.running and not request.done():
+                await asyncio.sleep(0.005)
+            server.server.async_engine.abort_all()
+            response = await request
+        assert response.status_code == 200, response.text
+        if not stream:
+            return [response.json()]
+        lines = [line[len("data: "):] for line in response.text.splitlines()
+                 if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        return [json.loads(line) for line in lines[:-1]]
+
+    chunks = asyncio.run(abort_while_generating())
+    reasons = [choice["finish_reason"] for chunk in chunks for choice in chunk["choices"]
+               if choice["finish_reason"]]
+    assert reasons == ["length", "length"]
+    assert chunks[-1]["usage"]["completion_tokens"] < 2 * 80  # aborted, not finished
     assert server.wait_until_idle(1.0)

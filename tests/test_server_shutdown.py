@@ -62,7 +62,7 @@ def test_signal_ends_streams_cleanly_and_exits(tiny_model_dir, sig):  # noqa: F8
         assert events[-1] == "[DONE]"
         reasons = [choice["finish_reason"] for event in events[:-1]
                    for choice in json.loads(event)["choices"] if choice["finish_reason"]]
-        assert len(reasons) == 4 and set(reasons) <= {"length", "abort"}
+        assert reasons == ["length"] * 4  # finished or aborted: cut short either way
         assert process.wait(timeout=30) in (0, -signal.SIGTERM)
     finally:
         if process.poll() is None:

@@ -138,7 +138,7 @@ def _field_path(loc: tuple, body) -> str | None:
 class GracefulServer(uvicorn.Server):
     """A uvicorn server whose shutdown (SIGINT/SIGTERM) stops accepting connections, lets the
     requests in flight finish for ``grace_seconds``, then aborts the rest: their streams end
-    with finish reason "abort" and ``[DONE]``, and the engine thread stops."""
+    with finish reason "length" (cut short) and ``[DONE]``, and the engine thread stops."""
 
     def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, grace_seconds: float):
         super().__init__(config)

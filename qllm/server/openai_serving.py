@@ -2,10 +2,12 @@
 
 Status codes (each with an OpenAI error body, see ``api_server``):
 
-- 400: the body is not valid JSON, or is well-formed but cannot be served: a prompt that is
-  empty or has no room to generate within ``max_model_len``, ``max_tokens`` beyond what is
-  left of ``max_model_len``, token ids outside the vocabulary, ``top_k`` = 0, an empty stop
-  string, a conversation the chat template rejects.
+- 400: the body is not valid JSON, or is well-formed but cannot be served: a field this
+  server does not implement (``protocol.NEUTRAL_VALUES``) sent with a value other than its
+  neutral one, or a field no schema has; a prompt that is empty or has no room to generate
+  within ``max_model_len``, ``max_tokens`` beyond what is left of ``max_model_len``, token
+  ids outside the vocabulary, ``top_k`` = 0, an empty stop string, a conversation the chat
+  template rejects.
 - 404: a ``model`` other than the served one.
 - 422: the body does not match the schema (missing field, wrong type, value out of range).
 - 503: the server is shutting down.
@@ -14,6 +16,8 @@ Status codes (each with an OpenAI error body, see ``api_server``):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import uuid
 from collections.abc import AsyncIterator
 
@@ -22,9 +26,16 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from qllm.config import SamplingParams
+from qllm.engine.llm import chat_messages
 from qllm.engine.llm_engine import load_tokenizer
-from qllm.server.async_engine import AsyncEngine, EngineStoppedError, RequestGroup
+from qllm.server.async_engine import (
+    AsyncEngine,
+    EngineStoppedError,
+    RequestGroup,
+    RequestOutput,
+)
 from qllm.server.protocol import (
+    NEUTRAL_VALUES,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -40,9 +51,14 @@ from qllm.server.protocol import (
     ModelCard,
     ModelList,
     Usage,
+    unsupported_fields,
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# The engine's finish reasons as OpenAI's: a request aborted at shutdown was cut short, as by
+# max_tokens, so "length" (OpenAI's enum has no "abort"; vLLM sends "abort" as is, which
+# typed clients fail to parse, see vllm-project/vllm#57082).
+OPENAI_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "length", None: None}
 
 
 class APIError(Exception):
@@ -71,7 +87,7 @@ class OpenAIServing:
         return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
 
     async def completions(self, request: CompletionRequest, raw: Request):
-        self._check_model(request.model)
+        self._check_request(request)
         prompt = request.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
@@ -83,10 +99,11 @@ class OpenAIServing:
         return await self._generate(request, prompts, max_tokens, raw, chat=False)
 
     async def chat(self, request: ChatCompletionRequest, raw: Request):
-        self._check_model(request.model)
+        self._check_request(request)
         if self.tokenizer is None:
             raise APIError(400, f"model {self.model_name!r} has no tokenizer for chat")
-        conversation = [{"role": m.role, "content": m.text()} for m in request.messages]
+        conversation = chat_messages([{"role": m.role, "content": m.text()}
+                                      for m in request.messages])
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
                                                       add_generation_prompt=True)
@@ -99,10 +116,18 @@ class OpenAIServing:
         return await self._generate(request, [ids], [max_tokens], raw, chat=True)
 
     # ------------------------------------------------------------------ validation
-    def _check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", param="model", code="model_not_found")
+    def _check_request(self, request) -> None:
+        """404 for another model; 400 for the first field sent that is not implemented."""
+        if request.model != self.model_name:
+            raise APIError(404, f"the model {request.model!r} does not exist; this server "
+                                f"serves {self.model_name!r}", param="model",
+                           code="model_not_found")
+        for path in unsupported_fields(request):
+            name = path.rsplit(".", 1)[-1]
+            neutral = f" (or send {json.dumps(NEUTRAL_VALUES[name])})" \
+                if name in NEUTRAL_VALUES else ""
+            raise APIError(400, f"{path} is not supported by this server; leave it out"
+                                f"{neutral}", param=path)
 
     def _encode(self, prompt: str | list[int], param: str) -> list[int]:
         """Token ids of one prompt, checked to fit ``max_model_len`` with room to generate.
@@ -194,7 +219,7 @@ class OpenAIServing:
                     yield _event(self._chat_chunk(group, index, ChatDelta(role="assistant",
                                                                           content="")))
             try:
-                async for out in group:
+                async for out in _openai_outputs(group):
                     counts[out.index] = out.num_output_tokens
                     if not out.text and out.finish_reason is None:
                         continue  # text held back (a stop string may follow)
@@ -233,10 +258,16 @@ def _usage(prompt_tokens: int, completion_counts: list[int]) -> Usage:
                  total_tokens=prompt_tokens + completion_tokens)
 
 
+async def _openai_outputs(group: RequestGroup) -> AsyncIterator[RequestOutput]:
+    """``group``'s outputs with OpenAI's finish reasons."""
+    async for out in group:
+        yield dataclasses.replace(out, finish_reason=OPENAI_FINISH_REASONS[out.finish_reason])
+
+
 async def _collect(group: RequestGroup, num_choices: int):
     """Every choice's whole text, finish reason and token count."""
     texts, reasons, counts = [""] * num_choices, [None] * num_choices, [0] * num_choices
-    async for out in group:
+    async for out in _openai_outputs(group):
         texts[out.index] += out.text
         reasons[out.index] = out.finish_reason
         counts[out.index] = out.num_output_tokens

@@ -1,22 +1,65 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
 Requests are validated strictly: a value of the wrong JSON type (``"max_tokens": "5"``) or
-outside the documented range is rejected with 422 before it reaches the engine. Fields the
-server does not know are ignored, as OpenAI clients send optional fields freely.
+outside the documented range is rejected with 422 before it reaches the engine. A field this
+server does not implement (``logprobs``, ``presence_penalty``, ``tools``...) is kept in
+``model_extra`` and, unless sent with its neutral value, rejected with 400 by
+``unsupported_fields``, as OpenAI rejects unrecognized arguments: a silent 200 would be an
+answer to a different question.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from qllm.engine.llm import CHAT_ROLES
+
 MAX_SEED = 2**63 - 1
+
+# Fields of OpenAI's completions and chat-completions schemas (and vLLM's extensions) that this
+# server does not implement, with the value that leaves each off. A request may send that
+# value or null; any other value gets a 400 until the field is implemented.
+NEUTRAL_VALUES = {
+    "best_of": 1, "echo": False, "suffix": "", "logprobs": False, "top_logprobs": 0,
+    "frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "logit_bias": {},
+    "min_p": 0, "min_tokens": 0, "tools": [], "tool_choice": "none", "functions": [],
+    "function_call": "none", "parallel_tool_calls": True, "tool_calls": [],
+    "response_format": {"type": "text"}, "modalities": ["text"], "store": False,
+}
+# Fields that do not change what is generated (ids of the end user): accepted and ignored.
+IGNORED_FIELDS = frozenset({"user", "safety_identifier"})
+
+
+def unsupported_fields(request: BaseModel, path: str = "") -> Iterator[str]:
+    """The dotted paths (``presence_penalty``, ``messages.0.name``) of the fields sent in
+    ``request`` or its nested parts that this server does not implement, neutral values
+    excepted."""
+    for name, value in (request.model_extra or {}).items():
+        if name not in IGNORED_FIELDS and not _is_neutral(name, value):
+            yield path + name
+    for name in request.model_fields_set:
+        value = getattr(request, name)
+        parts = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for index, part in parts:
+            if isinstance(part, BaseModel):
+                yield from unsupported_fields(
+                    part, f"{path}{name}." if index is None else f"{path}{name}.{index}.")
+
+
+def _is_neutral(name: str, value) -> bool:
+    """``value`` is null or the field's neutral value (0 and False kept apart)."""
+    if value is None:
+        return True
+    neutral = NEUTRAL_VALUES.get(name, ...)
+    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
 
 class StreamOptions(_Request):
@@ -60,13 +103,13 @@ class TextContentPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    role: Literal[CHAT_ROLES]
+    content: str | list[TextContentPart]
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
-        return self.content or ""
+        return self.content
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -77,6 +120,9 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 # ------------------------------------------------------------------------------ responses
+FinishReason = Literal["stop", "length"]  # of OpenAI's values, the two this server produces
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -91,7 +137,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -112,7 +158,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -133,7 +179,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionChunk(BaseModel):
