@@ -52,8 +52,8 @@ def build_model(config: EngineConfig, hf_config, plugins: PluginRegistry, kernel
     spec = plugins.model_spec(hf_config.architectures)
     weight_format = resolve_weight_format(plugins, config.quantization, hf_config, config,
                                           kernels)
-    logger.info("building %s from %s with kernels %s%s", spec.architecture, spec.plugin,
-                kernels.names(), f", weights {weight_format.name}" if weight_format else "")
+    logger.info("building %s from %s%s", spec.architecture, spec.plugin,
+                f", weights {weight_format.name}" if weight_format else "")
     dummy = config.load_format == "dummy"
     files = None if dummy else checkpoint_files(config.model)
     with torch.device("meta"):

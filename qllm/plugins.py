@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -11,6 +12,8 @@ import torch
 
 from qllm import hookspecs
 from qllm.specs import CacheKindSpec, KernelSpec, LayerKindSpec, ModelSpec, WeightFormatSpec
+
+logger = logging.getLogger(__name__)
 
 
 class DuplicateRegistrationError(ValueError):
@@ -130,7 +133,9 @@ class PluginRegistry:
                 chosen[op] = spec
             elif available:
                 chosen[op] = max(available, key=lambda s: s.priority)
-        return Kernels(chosen)
+        kernels = Kernels(chosen)
+        logger.debug("kernels on %s for %s: %s", device.type, dtype, kernels.names())
+        return kernels
 
 
 @functools.lru_cache(maxsize=1)

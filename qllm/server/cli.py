@@ -24,14 +24,17 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds in-flight requests get to finish on SIGINT/SIGTERM "
                              "before they are aborted")
     parser.add_argument("--log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
+                        choices=["critical", "error", "warning", "info", "debug"],
+                        help="server and engine log level")
     add_engine_options(parser)
 
 
 def add_serve_command(subparsers) -> None:
     """Add ``serve`` to the ``qllm`` command's subparsers."""
+    from qllm.cli import HelpFormatter
+
     parser = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible "
-                                                 "HTTP API")
+                                                 "HTTP API", formatter_class=HelpFormatter)
     _add_arguments(parser)
     parser.set_defaults(func=run_serve)
 
@@ -41,7 +44,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         from qllm.server.api_server import create_server
     except ImportError as exc:
-        print(f"qllm serve: {exc.name} is missing: pip install 'qllm[serve]'", file=sys.stderr)
+        print(f"qllm serve: {exc.name} is missing: install the server's extra from the qllm "
+              f"source tree, pip install -e \".[serve]\"", file=sys.stderr)
         return 1
     from qllm.cli import engine_options
     from qllm.config import EngineConfig
@@ -64,12 +68,16 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qllm.server.cli", description=__doc__)
+    from qllm.cli import HelpFormatter, run_command
+
+    parser = argparse.ArgumentParser(prog="python -m qllm.server.cli", description=__doc__,
+                                     formatter_class=HelpFormatter)
     _add_arguments(parser)
+    parser.set_defaults(func=run_serve)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(levelname)s %(name)s: %(message)s")
-    return run_serve(args)
+    return run_command(args)
 
 
 if __name__ == "__main__":
