@@ -65,8 +65,9 @@ def fla_decode(q, k, v, a, b, A_log, dt_bias, ssm_state, batch):
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
     g, beta = reference.gdn_gates(a, b, A_log, dt_bias)  # [B, Hv] fp32 each
-    slots = batch.recurrent_slots
-    initial = torch.where(batch.has_initial_state[:, None, None, None],
+    cache = batch.caches["recurrent_slot"]
+    slots = cache.slots
+    initial = torch.where(cache.has_initial_state[:, None, None, None],
                           ssm_state[slots].float(), 0.0)  # [B, Hv, dk, dv]
     out, final = fused_recurrent_gated_delta_rule(
         q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None].to(v.dtype),
@@ -93,7 +94,7 @@ def _nbytes(*tensors: torch.Tensor) -> int:
 def case_args(kind: str, batch) -> tuple[tuple, torch.Tensor, int]:
     """Arguments of one call, the state it updates in place, and the bytes it must move:
     slots read and written once, inputs read, output (the size of ``x`` / ``v``) written."""
-    slots = batch.recurrent_slots
+    slots = batch.caches["recurrent_slot"].slots
     if kind.startswith("conv"):
         x = conv_inputs(batch, GEOMETRY, NUM_SLOTS, DTYPE, CONV_DTYPE)
         args = (x.x, x.weight, x.conv_state, batch)
@@ -128,7 +129,7 @@ def measure(kind: str, name: str, batch, impls: list[str]) -> list[dict]:
         state.copy_(initial_state)  # every implementation starts from one state
         call = functools.partial(fn, *args)
         row = dict(kind=kind, case=name, impl=impl, batch=batch.num_seqs,
-                   tokens=batch.slot_mapping.shape[0])
+                   tokens=sum(batch.query_lens_host))
         try:
             out = call()
             if isinstance(out, (list, tuple)):  # the prefill conv's q, k, v
@@ -161,14 +162,15 @@ def sweep(kind: str, batch_sizes: list[int]) -> None:
     for batch_size in batch_sizes:
         batch = decode_batch(batch_size)
         args, _, nbytes = case_args(kind, batch)
+        cache = batch.caches["recurrent_slot"]
         if kind == "gdn_decode":
-            run = functools.partial(gated_delta_rule, *args[:8], batch.recurrent_slots,
-                                    batch.has_initial_state)
+            run = functools.partial(gated_delta_rule, *args[:8], cache.slots,
+                                    cache.has_initial_state)
             blocks, block_arg, state_dtype = (8, 16, 32, 64, 128), "block_v", SSM_DTYPE
         else:
             x, weight, conv_state = args[:3]
-            run = functools.partial(conv1d_update, x, weight, conv_state,
-                                    batch.recurrent_slots, batch.has_initial_state)
+            run = functools.partial(conv1d_update, x, weight, conv_state, cache.slots,
+                                    cache.has_initial_state)
             blocks, block_arg, state_dtype = (128, 256, 512, 1024, 2048), "block_c", CONV_DTYPE
         for block in blocks:
             for num_warps in (1, 2, 4, 8):

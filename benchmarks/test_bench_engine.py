@@ -69,7 +69,8 @@ def test_decode_schedule(benchmark, decode_engine):
 def test_decode_batch_metadata_build(benchmark, decode_engine):
     batch = decode_engine.scheduler.schedule()
     input_ids, _, forward_batch = benchmark(decode_engine.runner.prepare, batch)
-    assert input_ids.shape == (BATCH,) and forward_batch.block_tables.shape[0] == BATCH
+    assert input_ids.shape == (BATCH,)
+    assert forward_batch.caches["paged_kv"].block_tables.shape[0] == BATCH
 
 
 def prefill_all(engine) -> None:

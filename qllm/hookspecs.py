@@ -32,8 +32,12 @@ def qllm_cache_kinds():
     """Return a list of ``CacheKindSpec``: named per-sequence memory kinds.
 
     A cache kind owns one pool (KV blocks, recurrent slots...), sized by the cache registry
-    from the layers that need it, and tells the scheduler whether a sequence fits. Called once
-    per engine. Built in: ``paged_kv`` and ``recurrent_slot``.
+    from the layers that need it, and tells the scheduler whether a sequence fits. The pool (a
+    ``qllm.cache.base.CachePool``) also owns what the rest of the engine must not guess about
+    the kind: what each sequence holds, the kind's fields of every step's ``ForwardBatch``
+    (``batch.caches[name]``), the inert padding unit that padded CUDA-graph rows use, and the
+    check that one sequence of ``max_model_len`` tokens fits. Called once per engine. Built
+    in: ``paged_kv`` and ``recurrent_slot``.
     """
 
 

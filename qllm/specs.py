@@ -28,10 +28,12 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class CacheKindSpec:
-    """A named cache kind; ``factory(layers, engine_config, device)`` builds its pool.
+    """A named cache kind; ``factory(layers, num_units, engine_config, device)`` builds its
+    pool, a ``qllm.cache.base.CachePool`` whose ``name`` is this one.
 
-    ``bytes_per_unit(layers)`` gives the memory one unit (a block, a slot) costs across all
-    ``layers`` that use the kind, so the registry can size pools before allocating.
+    ``bytes_per_unit(layers, engine_config)`` gives the memory one unit (a block, a slot)
+    costs across all ``layers`` that use the kind, so the registry can size pools before
+    allocating.
     ``fixed_units(engine_config)`` returns the unit count when the kind is not sized from
     the leftover memory budget (recurrent slots: one per running sequence), else ``None``.
     """

@@ -1,5 +1,6 @@
 """Test helpers: tiny random Qwen3 checkpoints written by transformers (with perturbed weights),
-random prompts, transformers' greedy reference, and the cache-leak check."""
+random prompts, transformers' greedy reference, the cache-leak check, and decode graphs on the
+CPU."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from qllm import SamplingParams
 from qllm.engine.scheduler import ScheduledBatch
 from qllm.engine.sequence import Sequence
+from qllm.runner.cuda_graphs import DecodeGraphs
 
 
 def require_qwen3_plugin() -> None:
@@ -120,3 +122,32 @@ def assert_greedy_equal_up_to_ties(reference_llm, prompts: list[list[int]], got:
         (ties if gap <= tolerance * logits.std() else failures).append(entry)
     assert not failures, f"divergences that are not ties: {failures}; ties: {ties}"
     print(f"{len(prompts) - len(ties)} of {len(prompts)} outputs identical; ties: {ties}")
+
+
+class RerunGraph:
+    """Replays like a CUDA graph would: same static inputs in, same output tensor written."""
+
+    def __init__(self, fn, output: torch.Tensor):
+        self.fn, self.output = fn, output
+
+    def replay(self) -> None:
+        self.output.copy_(self.fn())
+
+
+def rerun_capture(fn):
+    output = fn()
+    return RerunGraph(fn, output), output
+
+
+def with_decode_graphs(llm, sizes: list[int]):
+    """``llm`` with its runner's decode "graphs" for batch ``sizes`` captured by
+    ``rerun_capture``, so CPU decode steps take the CUDA-graph path: padded to a bucket,
+    staged in the fixed layout, copied into the bucket's static inputs."""
+    runner = llm.engine.runner
+    dummy = ScheduledBatch([], [], is_prefill=False)
+    with torch.inference_mode():
+        runner.graphs = DecodeGraphs(
+            runner._decode_logits,
+            lambda size: runner.prepare(dummy, pad_to=size, fixed_layout=True),
+            sizes, rerun_capture)
+    return llm

@@ -25,11 +25,11 @@ def test_reserve_allocates_whole_blocks_and_release_frees_them():
     seq = seq_of(range(10))
     manager.admit(seq)
     assert manager.reserve(seq, 10)
-    assert len(seq.block_table) == 3 and manager.num_free_blocks == 5
+    assert len(manager.block_table(seq)) == 3 and manager.num_free_blocks == 5
     assert manager.reserve(seq, 2)  # still fits in the third block
-    assert len(seq.block_table) == 3
+    assert len(manager.block_table(seq)) == 3
     manager.release(seq)
-    assert manager.num_free_blocks == 8 and seq.block_table == []
+    assert manager.num_free_blocks == 8 and manager.block_table(seq) == []
 
 
 def test_reserve_refuses_without_changing_anything():
@@ -37,7 +37,7 @@ def test_reserve_refuses_without_changing_anything():
     seq = seq_of(range(12))
     manager.admit(seq)
     assert not manager.reserve(seq, 12)
-    assert seq.block_table == [] and manager.num_free_blocks == 2
+    assert manager.block_table(seq) == [] and manager.num_free_blocks == 2
 
 
 def test_prefix_hit_reuses_blocks_and_counts_references():
@@ -48,10 +48,10 @@ def test_prefix_hit_reuses_blocks_and_counts_references():
     second = seq_of(list(range(8)) + [99, 98, 97])
     manager.admit(second)
     assert second.num_computed_tokens == second.num_cached_tokens == 8
-    assert second.block_table == first.block_table[:2]
-    assert all(manager.blocks[b].ref_count == 2 for b in second.block_table)
+    assert manager.block_table(second) == manager.block_table(first)[:2]
+    assert all(manager.blocks[b].ref_count == 2 for b in manager.block_table(second))
     manager.release(first)
-    assert all(manager.blocks[b].ref_count == 1 for b in second.block_table)
+    assert all(manager.blocks[b].ref_count == 1 for b in manager.block_table(second))
     manager.release(second)
     assert manager.num_free_blocks == 8
 

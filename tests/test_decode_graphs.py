@@ -6,36 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_cache_free, random_prompts
+from helpers import assert_cache_free, random_prompts, with_decode_graphs
 from qllm import LLM, SamplingParams
 from qllm.engine.scheduler import ScheduledBatch
-from qllm.runner.cuda_graphs import DecodeGraphs
-
-
-class RerunGraph:
-    """Replays like a CUDA graph would: same static inputs in, same output tensor written."""
-
-    def __init__(self, fn, output: torch.Tensor):
-        self.fn, self.output = fn, output
-
-    def replay(self) -> None:
-        self.output.copy_(self.fn())
-
-
-def rerun_capture(fn):
-    output = fn()
-    return RerunGraph(fn, output), output
-
-
-def with_decode_graphs(llm: LLM, sizes: list[int]) -> LLM:
-    runner = llm.engine.runner
-    dummy = ScheduledBatch([], [], is_prefill=False)
-    with torch.inference_mode():
-        runner.graphs = DecodeGraphs(
-            runner._decode_logits,
-            lambda size: runner.prepare(dummy, pad_to=size, table_width=runner.max_blocks_per_seq),
-            sizes, rerun_capture)
-    return llm
 
 
 @pytest.fixture(params=["qwen3", "qwen3_5_moe"])
@@ -58,14 +31,16 @@ def test_graph_replay_equals_eager(checkpoint):
     assert_cache_free(llm)
 
 
-def test_replay_refuses_inputs_staged_for_another_table_width(qwen3_dir):
+def test_replay_refuses_inputs_staged_for_another_layout(qwen3_dir):
     """The replay copies the step's staged buffer over the graph's, so both must share one
-    layout; a step prepared with another block-table width is refused, not misread."""
+    layout; a step prepared without the graph's fixed layout (block tables one block wide
+    here, not max_model_len's) is refused, not misread."""
     llm = with_decode_graphs(LLM(qwen3_dir, block_size=16, max_num_seqs=2), [1, 2])
     runner = llm.engine.runner
     dummy = ScheduledBatch([], [], is_prefill=False)
     with torch.inference_mode():
-        input_ids, positions, batch = runner.prepare(dummy, pad_to=2, table_width=1)
-        assert runner.max_blocks_per_seq != 1
-        with pytest.raises(ValueError, match="block tables"):
+        input_ids, positions, batch = runner.prepare(dummy, pad_to=2)
+        assert batch.caches["paged_kv"].block_tables.shape == (2, 1)
+        with pytest.raises(ValueError, match="'paged_kv.block_tables' is laid out unlike the "
+                                             "graph's"):
             runner.graphs.replay(input_ids, positions, batch)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from qllm.cache.recurrent_slots import RecurrentSlotBatch
 from qllm.ops import gdn
 from qllm.runner.batch import ForwardBatch
 
@@ -28,11 +29,10 @@ def make_batch(query_lens, slots, has_state, is_prefill=True) -> ForwardBatch:
         is_prefill=is_prefill,
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         seq_lens=zeros, context_lens=zeros,
-        block_tables=torch.zeros(b, 1, dtype=torch.int32),
-        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
-        recurrent_slots=torch.tensor(slots, dtype=torch.int64),
-        has_initial_state=torch.tensor(has_state, dtype=torch.bool),
         logits_indices=torch.tensor(starts[1:], dtype=torch.int64) - 1,
+        caches={"recurrent_slot": RecurrentSlotBatch(
+            slots=torch.tensor(slots, dtype=torch.int64),
+            has_initial_state=torch.tensor(has_state, dtype=torch.bool))},
         query_lens_host=list(query_lens), max_query_len=max(query_lens))
 
 

@@ -94,7 +94,8 @@ def check_decode(case: dict, device: str, dtype: torch.dtype, num_splits: int | 
         out = ops.paged_attention_decode(x.q, x.k_cache, x.v_cache, x.batch, x.scale)
     else:
         out = decode_attention(x.q, x.k_cache, x.v_cache, x.batch.seq_lens,
-                               x.batch.block_tables, x.scale, num_splits=num_splits)
+                               x.batch.caches["paged_kv"].block_tables, x.scale,
+                               num_splits=num_splits)
     _assert_close(out, _reference(attention.paged_attention_decode, x), dtype)
 
 
@@ -110,10 +111,11 @@ def opcheck_ops(device: str, dtype: torch.dtype) -> None:
     b = x.batch
     torch.library.opcheck(ops.paged_prefill, (
         x.q, x.k_cache, x.v_cache, b.query_start_loc, b.seq_lens, b.context_lens,
-        b.block_tables, b.max_query_len, x.scale))
+        b.caches["paged_kv"].block_tables, b.max_query_len, x.scale))
     x = paged_inputs(**TINY_DECODE["gqa2-d16-p4"], dtype=dtype, device=device)
     torch.library.opcheck(ops.paged_decode, (
-        x.q, x.k_cache, x.v_cache, x.batch.seq_lens, x.batch.block_tables, x.scale))
+        x.q, x.k_cache, x.v_cache, x.batch.seq_lens, x.batch.caches["paged_kv"].block_tables,
+        x.scale))
 
 
     torch.library.opcheck(ops.qk_norm_rope_heads, qk_inputs(**TINY_QK["partial-zc"], tokens=3,

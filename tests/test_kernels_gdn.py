@@ -103,7 +103,7 @@ def _assert_states(actual: torch.Tensor, expected: torch.Tensor, before: torch.T
                    batch: ForwardBatch, tol: float) -> None:
     """Batch slots close to the reference's, other slots untouched; padding slot skipped."""
     padding = actual.shape[0] - 1
-    used = sorted(set(batch.recurrent_slots.tolist()) - {padding})
+    used = sorted(set(batch.caches["recurrent_slot"].slots.tolist()) - {padding})
     unused = sorted(set(range(padding)) - set(used))
     _assert_close(actual[used], expected[used], tol)
     assert torch.equal(actual[unused], before[unused])
@@ -190,6 +190,13 @@ def check_gdn_decode(geometry: GDNGeometry, num_seqs: int, num_padding: int,
         _assert_states(state, ref_state, before, batch, tol)
 
 
+def _slot_fields(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrent-slot tensors the custom ops take: ``slots [B]``, ``has_initial_state
+    [B]``."""
+    cache = batch.caches["recurrent_slot"]
+    return cache.slots, cache.has_initial_state
+
+
 def opcheck_ops(device: str, dtype: torch.dtype, with_fla: bool) -> None:
     """``torch.library.opcheck`` on the custom ops (schema incl. mutation, fake tensor, AOT
     dispatch)."""
@@ -197,10 +204,9 @@ def opcheck_ops(device: str, dtype: torch.dtype, with_fla: bool) -> None:
     prefill = random_batch([5, 70, 1], TINY_SLOTS, [True, False, True], device=device)
     decode = random_batch([1] * 3, TINY_SLOTS, [True, False, True], 1, device=device)
     for batch, conv, conv_args in (
-            (prefill, ops.conv1d_prefill, lambda b: (b.query_start_loc, b.recurrent_slots,
-                                                     b.has_initial_state, b.max_query_len,
-                                                     _qkv_sizes(geometry))),
-            (decode, ops.conv1d_update, lambda b: (b.recurrent_slots, b.has_initial_state))):
+            (prefill, ops.conv1d_prefill, lambda b: (b.query_start_loc, *_slot_fields(b),
+                                                     b.max_query_len, _qkv_sizes(geometry))),
+            (decode, ops.conv1d_update, _slot_fields)):
         x = conv_inputs(batch, geometry, TINY_SLOTS, dtype, torch.float32)
         torch.library.opcheck(conv, (x.x, x.weight, x.conv_state, *conv_args(batch)))
     gdn_ops = [ops.recurrent_prefill] + ([ops.fla_chunk_prefill] if with_fla else [])
@@ -209,10 +215,9 @@ def opcheck_ops(device: str, dtype: torch.dtype, with_fla: bool) -> None:
         b = x.batch
         host_lens = (b.query_lens_host,) if op is ops.fla_chunk_prefill else ()
         torch.library.opcheck(op, (*x.args()[:8], b.query_start_loc, *host_lens,
-                                   b.recurrent_slots, b.has_initial_state))
+                                   *_slot_fields(b)))
     x = gdn_inputs(decode, geometry, TINY_SLOTS, dtype, torch.float32)
-    torch.library.opcheck(ops.recurrent_decode, (*x.args()[:8], decode.recurrent_slots,
-                                                 decode.has_initial_state))
+    torch.library.opcheck(ops.recurrent_decode, (*x.args()[:8], *_slot_fields(decode)))
     torch.library.opcheck(ops.rms_norm_gated_heads, (*norm_inputs(3, 4, 8, dtype, device),
                                                      1e-6))
 
@@ -342,8 +347,8 @@ def test_decode_cuda_graph_replay():
     for seed in range(2):
         moved = random_batch([1] * 64, GPU_SLOTS, _flags(64, "mixed")[::-1], 8, device="cuda",
                              seed=100 + seed)
-        batch.recurrent_slots.copy_(moved.recurrent_slots)
-        batch.has_initial_state.copy_(moved.has_initial_state)
+        for field, moved_field in zip(_slot_fields(batch), _slot_fields(moved)):
+            field.copy_(moved_field)
         x.normal_()
         a.normal_()
         b.normal_()

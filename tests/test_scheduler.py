@@ -98,7 +98,7 @@ def test_decode_preempts_the_latest_sequence_when_blocks_run_out():
     batch = scheduler.schedule()  # each needs a second block: only one is left
     assert batch.seqs == [first]
     assert second.status == SequenceStatus.WAITING and scheduler.waiting[0] is second
-    assert second.block_table == [] and second.num_computed_tokens == 0
+    assert cache.pool.block_table(second) == [] and second.num_computed_tokens == 0
     assert scheduler.num_preemptions == 1
     assert second.token_ids == [2] * 4 + [7]  # its generated token is kept for recompute
 

@@ -1,4 +1,4 @@
-"""What every cache kind offers the scheduler."""
+"""What every cache kind offers the scheduler and the model runner."""
 
 from __future__ import annotations
 
@@ -9,21 +9,43 @@ import torch
 from qllm.engine.sequence import Sequence
 from qllm.specs import CacheRequirement
 
+# a step's fields of one cache kind, as ``qllm.runner.staging.stage`` takes them:
+# name -> (values, dtype), values a flat list or a list of equal-length lists
+StepFields = dict[str, tuple[list, torch.dtype]]
+
+
+class CacheTooSmallError(RuntimeError):
+    """The memory budget cannot hold even one sequence of ``max_model_len`` tokens."""
+
 
 class CachePool(abc.ABC):
     """One cache kind's pool for one engine: storage for its layers plus per-sequence bookkeeping.
 
     ``layers`` are the modules that use this kind, each with a ``cache_requirement()``;
     ``attach`` hands each its storage once, so storage addresses never change afterwards.
+
+    The pool owns everything about its kind that the rest of the engine must not guess:
+
+    - which units each sequence holds (the pool keeps that, keyed by ``seq.seq_id``);
+    - the step's batch fields its layers read (``step_fields``), and the ``batch_type`` that
+      carries them to the model as ``ForwardBatch.caches[name]``;
+    - an inert ``padding_unit`` that no sequence ever holds, for the padded rows of a
+      CUDA-graph batch (they run the model too, and write to whatever unit they name);
+    - whether one sequence of ``max_model_len`` tokens fits at all (``check_capacity``).
     """
 
     name: str
     supports_prefix_caching: bool = False
+    unit_name: str = "unit"  # what one unit is called in messages ("block", "slot")
+    # the dataclass carrying the fields of ``step_fields`` (same names) to the model
+    batch_type: type
 
     def __init__(self, layers: list, num_units: int, device: torch.device):
         self.layers = layers
         self.num_units = num_units
         self.device = device
+        # units are 0 .. num_units - 1; storage holds one more, which belongs to nobody
+        self.padding_unit = num_units
 
     @staticmethod
     def requirements(layers: list) -> list[CacheRequirement]:
@@ -40,17 +62,52 @@ class CachePool(abc.ABC):
     def register_computed(self, seq: Sequence) -> None:
         """Called after each step that computed tokens of ``seq``."""
 
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Called once by the registry: prefix caching is on only when every pool of the
+        engine supports it (for pools that keep prefixes)."""
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix that no sequence holds (for pools that keep them)."""
 
     @abc.abstractmethod
     def release(self, seq: Sequence) -> None:
-        """Free everything ``seq`` holds (finish, abort or preemption)."""
+        """Free everything ``seq`` holds (finish, abort or preemption); a no-op for a
+        sequence that holds nothing here."""
 
     @property
     @abc.abstractmethod
     def num_free_units(self) -> int:
         """Units (blocks, slots) not held by any sequence."""
+
+    @abc.abstractmethod
+    def units_needed(self, num_tokens: int) -> int:
+        """Units one sequence of ``num_tokens`` tokens holds."""
+
+    def check_capacity(self, max_model_len: int) -> None:
+        """Raise ``CacheTooSmallError`` unless one sequence of ``max_model_len`` tokens fits.
+        Called by the registry for every pool once it is built."""
+        needed = self.units_needed(max_model_len)
+        if needed > self.num_units:
+            raise CacheTooSmallError(
+                f"the {self.name} cache holds {self.num_units} {self.unit_name}s, fewer than "
+                f"the {needed} that one sequence of max_model_len={max_model_len} needs; "
+                f"lower max_model_len or give the cache more memory")
+
+    @abc.abstractmethod
+    def step_fields(self, seqs: list[Sequence], context_lens: list[int], seq_lens: list[int],
+                    num_padding: int = 0, max_model_len: int | None = None) -> StepFields:
+        """This kind's batch fields of one step, staged by the runner with the common ones.
+
+        Sequence ``seqs[i]`` computes positions ``context_lens[i] .. seq_lens[i] - 1``; its
+        units are reserved. Then ``num_padding`` inert rows follow (a CUDA-graph bucket's):
+        one token at position 0 each, which must name only ``padding_unit``. Per-token
+        fields follow the tokens in order (a padding row has one token).
+
+        With ``max_model_len`` the fields take the fixed shapes of a CUDA graph's static
+        inputs, sized for sequences of up to that many tokens (e.g. block tables that wide),
+        so every step of a bucket lays out alike; without it they may be sized for this
+        step alone. Names, their order and dtypes must never depend on the step.
+        """
 
     def usage(self) -> float:
         """Fraction of the pool held by sequences, 0..1."""

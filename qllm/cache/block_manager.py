@@ -28,6 +28,7 @@ class BlockManager:
     it. When its last user releases it, it stays in the free pool with its contents until the
     pool needs it, so a later sequence with the same prefix can take it back (a prefix-cache
     hit). Hits are checked against the stored tokens, so a hash collision can never alias.
+    Each sequence's block table (its block ids in token order) is kept here, by ``seq_id``.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
@@ -36,6 +37,11 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
+        self.tables: dict[int, list[int]] = {}  # seq_id -> block ids, in token order
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        """The blocks ``seq`` holds, in token order (empty when it holds none)."""
+        return self.tables.get(seq.seq_id, [])
 
     @property
     def num_blocks(self) -> int:
@@ -58,7 +64,8 @@ class BlockManager:
     def admit(self, seq: Sequence) -> None:
         """Reuse cached blocks for the longest cached prefix of ``seq`` (always leaving at least
         one token to compute) and set ``seq.num_computed_tokens`` to the tokens they hold."""
-        assert not seq.block_table, f"{seq} already holds blocks"
+        assert not self.tables.get(seq.seq_id), f"{seq} already holds blocks"
+        table = self.tables[seq.seq_id] = []
         cacheable = (len(seq) - 1) // self.block_size * self.block_size
         parent = None
         for start in range(0, cacheable if self.enable_prefix_caching else 0, self.block_size):
@@ -70,26 +77,26 @@ class BlockManager:
             if block.ref_count == 0:
                 self._take_free(block_id)
             block.ref_count += 1
-            seq.block_table.append(block_id)
+            table.append(block_id)
             parent = block.hash
-        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens = len(table) * self.block_size
 
     def can_reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
-        return needed - len(seq.block_table) <= self.num_free_blocks
+        return needed - len(self.block_table(seq)) <= self.num_free_blocks
 
     def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more computed tokens; False (and no change) if the
         pool lacks the blocks."""
-        missing = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) \
-            - len(seq.block_table)
+        table = self.tables.setdefault(seq.seq_id, [])
+        missing = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(table)
         if missing > self.num_free_blocks:
             return False
         for _ in range(missing):
             block = self._take_free()
             self._forget(block)
             block.ref_count = 1
-            seq.block_table.append(block.block_id)
+            table.append(block.block_id)
         return True
 
     def _forget(self, block: Block) -> None:
@@ -109,9 +116,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
+        table = self.block_table(seq)
         parent = None
         for index in range(num_full):
-            block = self.blocks[seq.block_table[index]]
+            block = self.blocks[table[index]]
             if block.hash is None:
                 start = index * self.block_size
                 tokens = tuple(seq.token_ids[start:start + self.block_size])
@@ -124,7 +132,7 @@ class BlockManager:
 
     def release(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; blocks nobody holds go back to the free pool."""
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(self.tables.pop(seq.seq_id, [])):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} released twice"
@@ -132,4 +140,3 @@ class BlockManager:
                 self.free[block_id] = None
                 if block.hash is None:  # nothing worth keeping: hand it out first
                     self.free.move_to_end(block_id, last=False)
-        seq.block_table = []

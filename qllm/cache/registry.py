@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from qllm.cache.base import CachePool
+from qllm.cache.base import CachePool, CacheTooSmallError
 from qllm.config import EngineConfig
 from qllm.engine.sequence import Sequence
 from qllm.plugins import PluginRegistry
@@ -18,8 +18,7 @@ CPU_DEFAULT_CACHE_BYTES = 2 << 30
 CUDA_ACTIVATION_HEADROOM_BYTES = 2 << 30
 
 
-class CacheTooSmallError(RuntimeError):
-    """The memory budget cannot hold even one sequence of ``max_model_len`` tokens."""
+__all__ = ["CacheRegistry", "CacheTooSmallError"]
 
 
 class CacheRegistry:
@@ -57,22 +56,22 @@ class CacheRegistry:
 
         self.pools: dict[str, CachePool] = {}
         for name, spec in specs.items():
-            self.pools[name] = spec.factory(by_kind[name], fixed[name], config, device)
+            pool = spec.factory(by_kind[name], fixed[name], config, device)
+            if not isinstance(pool, CachePool) or pool.name != name:
+                raise TypeError(f"cache kind {name!r}: its factory returned "
+                                f"{type(pool).__name__}, not a CachePool named {name!r}")
+            self.pools[name] = pool
             logger.info("cache %s: %d units for %d layers", name, fixed[name],
                         len(by_kind[name]))
 
-        self.prefix_caching = config.enable_prefix_caching and all(
-            pool.supports_prefix_caching for pool in self.pools.values())
-        if config.enable_prefix_caching and not self.prefix_caching:
-            logger.info("prefix caching is off: it cannot be exact for recurrent layers")
-        if "paged_kv" in self.pools:
-            kv = self.pools["paged_kv"]
-            kv.manager.enable_prefix_caching = self.prefix_caching
-            if kv.manager.blocks_needed(config.max_model_len) > kv.num_units:
-                raise CacheTooSmallError(
-                    f"the KV cache holds {kv.num_units} blocks of {config.block_size} tokens, "
-                    f"fewer than one sequence of max_model_len={config.max_model_len} needs; "
-                    f"lower max_model_len or give the cache more memory")
+        inexact = [name for name, pool in self.pools.items() if not pool.supports_prefix_caching]
+        self.prefix_caching = config.enable_prefix_caching and not inexact
+        if config.enable_prefix_caching and inexact:
+            logger.info("prefix caching is off: it cannot be exact for cache kinds %s "
+                        "(e.g. recurrent state)", inexact)
+        for pool in self.pools.values():
+            pool.set_prefix_caching(self.prefix_caching)
+            pool.check_capacity(config.max_model_len)
 
     @staticmethod
     def _budget(config: EngineConfig, device: torch.device) -> int:
@@ -83,10 +82,6 @@ class CacheRegistry:
             reserve = total * (1 - config.gpu_memory_utilization) + CUDA_ACTIVATION_HEADROOM_BYTES
             return int(free - reserve)
         return CPU_DEFAULT_CACHE_BYTES
-
-    @property
-    def block_size(self) -> int:
-        return self.pools["paged_kv"].block_size if "paged_kv" in self.pools else 0
 
     def admit(self, seq: Sequence) -> bool:
         """Give a waiting sequence what every pool needs up front; all or nothing."""

@@ -23,7 +23,8 @@ class Sequence:
     token. A sampled token whose value has not reached the host yet is *pending*: it counts in
     ``len(seq)`` but not in ``token_ids`` until the engine appends it. Preemption resets
     ``num_computed_tokens`` to 0 and keeps the generated tokens, which are recomputed with the
-    prompt on readmission.
+    prompt on readmission. What a sequence holds in each cache kind (blocks, a slot...) is
+    kept by that kind's pool, by ``seq_id``.
     """
 
     _ids = itertools.count()
@@ -38,8 +39,6 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
-        self.block_table: list[int] = []
-        self.recurrent_slot: int | None = None
         self.finish_reason: str | None = None
         self.output_text = ""
         self.detokenizer = None  # an IncrementalDetokenizer when text is needed while running

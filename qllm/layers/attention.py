@@ -44,7 +44,7 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         """``q [T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` -> ``[T, Hq, D]``."""
-        self._store(self.k_cache, self.v_cache, k, v, batch.slot_mapping)
+        self._store(self.k_cache, self.v_cache, k, v, batch.caches["paged_kv"].slot_mapping)
         if batch.is_prefill:
             return self._prefill(q, self.k_cache, self.v_cache, batch, self.scale)
         return self._decode(q, self.k_cache, self.v_cache, batch, self.scale)

@@ -2,7 +2,9 @@
 
 Cache layout, per full-attention layer: ``k_cache`` / ``v_cache`` ``[num_blocks + 1, block_size,
 kv_heads, head_dim]``. Token ``p`` of a sequence lives in block ``block_tables[i, p // block_size]``
-at offset ``p % block_size``; its flat entry is ``block * block_size + offset``.
+at offset ``p % block_size``; its flat entry is ``block * block_size + offset``. The kernels read
+the block tables off the batch's ``paged_kv`` fields, ``batch.caches["paged_kv"]``
+(``qllm.cache.paged_kv.PagedKVBatch``).
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """Causal attention of new tokens ``q [T, Hq, D]`` over each sequence's cached prefix and
     themselves (the new K/V must already be stored). Returns ``[T, Hq, D]``."""
     out = torch.empty_like(q)
+    block_tables = batch.caches["paged_kv"].block_tables  # [B, W]
     starts = batch.query_start_loc.tolist()
     for i, (query_len, seq_len) in enumerate(zip(batch.query_lens_host, batch.seq_lens_host)):
         start = starts[i]
         num_blocks = -(-seq_len // k_cache.shape[1])
-        table = batch.block_tables[i, :num_blocks]
+        table = block_tables[i, :num_blocks]
         k = _gather_pages(k_cache, table)[:seq_len]  # [S, Hkv, D]
         v = _gather_pages(v_cache, table)[:seq_len]
         context = seq_len - query_len
@@ -59,8 +62,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            batch: ForwardBatch, scale: float) -> torch.Tensor:
     """One query per sequence, ``q [B, Hq, D]``, over its first ``seq_lens[i]`` cached tokens.
     Tensor-only (no host sync), so it can be captured in a CUDA graph. Returns ``[B, Hq, D]``."""
-    k = _gather_pages(k_cache, batch.block_tables).to(q.dtype)  # [B, S, Hkv, D]
-    v = _gather_pages(v_cache, batch.block_tables).to(q.dtype)
+    block_tables = batch.caches["paged_kv"].block_tables  # [B, W]
+    k = _gather_pages(k_cache, block_tables).to(q.dtype)  # [B, S, Hkv, D]
+    v = _gather_pages(v_cache, block_tables).to(q.dtype)
     positions = torch.arange(k.shape[1], device=q.device)
     mask = positions[None, :] < batch.seq_lens[:, None]  # [B, S]
     out = F.scaled_dot_product_attention(

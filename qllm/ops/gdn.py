@@ -26,10 +26,11 @@ Split of work between the model layer and these ops (matching transformers'
 State layout, per linear-attention layer: ``conv_state [S + 1, C, K - 1]`` (``C`` = conv_dim;
 any strides: the models store it taps-outer, channel stride 1) and ``ssm_state
 [S + 1, Hv, dk, dv]`` (any strides: the models store it value-major, key stride 1; slot ``S``
-is the padding slot). Sequence ``i`` owns
-slot ``batch.recurrent_slots[i]``; where ``batch.has_initial_state[i]`` is False its state is
-read as zeros (a reused slot never leaks its previous owner's state). Every op writes the
-state after its last token back into the slot.
+is the padding slot). The slots come with the batch's ``recurrent_slot`` fields,
+``batch.caches["recurrent_slot"]`` (``qllm.cache.recurrent_slots.RecurrentSlotBatch``):
+sequence ``i`` owns slot ``slots[i]``; where ``has_initial_state[i]`` is False its state is read
+as zeros (a reused slot never leaks its previous owner's state). Every op writes the state
+after its last token back into the slot.
 
 Recurrence per value head with state ``S [dk, dv]``::
 
@@ -62,9 +63,10 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
     """
     out = torch.empty_like(x)
     width = weight.shape[1] - 1
+    cache = batch.caches["recurrent_slot"]
     starts = batch.query_start_loc.tolist()
-    slots = batch.recurrent_slots.tolist()
-    has_state = batch.has_initial_state.tolist()
+    slots = cache.slots.tolist()
+    has_state = cache.has_initial_state.tolist()
     w = weight.float()[:, None, :]  # [C, 1, K]
     for i, slot in enumerate(slots):
         start, end = starts[i], starts[i + 1]
@@ -84,9 +86,10 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
                          batch: ForwardBatch) -> torch.Tensor:
     """One new token per sequence, ``x [B, C]``: conv + SiLU against the carried state, which
     is shifted in place. Tensor-only (no host sync), CUDA-graph capturable. Returns ``[B, C]``."""
-    slots = batch.recurrent_slots  # [B]
+    cache = batch.caches["recurrent_slot"]
+    slots = cache.slots  # [B]
     state = conv_state[slots].float()  # [B, C, K-1]
-    state = torch.where(batch.has_initial_state[:, None, None], state, 0.0)
+    state = torch.where(cache.has_initial_state[:, None, None], state, 0.0)
     window = torch.cat([state, x.float()[:, :, None]], dim=2)  # [B, C, K]
     out = F.silu((window * weight.float()).sum(-1))  # [B, C]
     conv_state.index_copy_(0, slots, window[:, :, 1:].to(conv_state.dtype))
@@ -184,8 +187,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
 def _initial_states(ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """fp32 ``[B, Hv, dk, dv]`` states of the batch's slots, zeros where there is none yet."""
-    state = ssm_state[batch.recurrent_slots].float()
-    return torch.where(batch.has_initial_state[:, None, None, None], state, 0.0)
+    cache = batch.caches["recurrent_slot"]
+    state = ssm_state[cache.slots].float()
+    return torch.where(cache.has_initial_state[:, None, None, None], state, 0.0)
 
 
 def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
@@ -209,7 +213,7 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
         rows = slice(starts[i], starts[i + 1])
         out[rows], states[i] = chunk_gated_delta_rule(q[rows], k[rows], v[rows], g[rows],
                                                       beta[rows], states[i])
-    ssm_state.index_copy_(0, batch.recurrent_slots, states.to(ssm_state.dtype))
+    ssm_state.index_copy_(0, batch.caches["recurrent_slot"].slots, states.to(ssm_state.dtype))
     return out.to(out_dtype)
 
 
@@ -218,7 +222,7 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
                ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """One recurrent step per sequence: ``q, k [B, Hk, dk]`` raw, ``v [B, Hv, dv]``, gate
     inputs ``a, b [B, Hv]`` with ``A_log, dt_bias [Hv]``; updates
-    ``ssm_state[batch.recurrent_slots]`` in place. Tensor-only (no host sync), CUDA-graph
+    ``ssm_state[slots]`` in place. Tensor-only (no host sync), CUDA-graph
     capturable. Returns ``o [B, Hv, dv]``."""
     out_dtype = v.dtype
     q, k = prepare_qk(q, k, v.shape[1])  # [B, Hv, dk] fp32
@@ -229,5 +233,5 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
     delta = (v - kv_mem) * beta[:, :, None]
     state = state + k[:, :, :, None] * delta[:, :, None, :]
     out = torch.einsum("bhkv,bhk->bhv", state, q)  # [B, Hv, dv]
-    ssm_state.index_copy_(0, batch.recurrent_slots, state.to(ssm_state.dtype))
+    ssm_state.index_copy_(0, batch.caches["recurrent_slot"].slots, state.to(ssm_state.dtype))
     return out.to(out_dtype)

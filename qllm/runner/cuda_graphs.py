@@ -61,13 +61,17 @@ class DecodeGraphs:
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
                batch: ForwardBatch) -> torch.Tensor:
         """Run the graph of the bucket ``len(input_ids)``. The inputs must be padded to it and
-        staged like the graph's own (``ModelRunner.prepare`` with the same block-table width),
-        so one copy of the staged buffer's head refreshes every static input."""
+        staged like the graph's own (``ModelRunner.prepare`` with ``fixed_layout``: the same
+        fields, dtypes and shapes), so one copy of the staged buffer's head refreshes every
+        static input."""
         size = input_ids.shape[0]
         _, _, static_batch = self.inputs[size]
-        if batch.block_tables.shape != static_batch.block_tables.shape:
-            raise ValueError(f"block tables {tuple(batch.block_tables.shape)} do not match the "
-                             f"graph's {tuple(static_batch.block_tables.shape)}")
+        layout = batch.staged_layout or {}
+        for name, entry in static_batch.staged_layout.items():  # (offset, bytes, dtype, shape)
+            if layout.get(name) != entry:
+                raise ValueError(
+                    f"staged input {name!r} is laid out unlike the graph's: {layout.get(name)} "
+                    f"against {entry} (prepare the step with the graph's fixed layout)")
         static = static_batch.staged
         static.copy_(batch.staged[:static.shape[0]])
         self.graphs[size].replay()

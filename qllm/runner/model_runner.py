@@ -62,12 +62,9 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.vocab_size = vocab_size
-        self.block_size = config.block_size
-        self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
-        kv = cache.pools.get("paged_kv")
-        self.padding_block = kv.padding_block if kv is not None else 0
-        slots = cache.pools.get("recurrent_slot")
-        self.padding_slot = slots.padding_slot if slots is not None else 0
+        # the cache kinds' pools, in the registry's (the model's) order: each builds its own
+        # fields of every step, padding rows included
+        self.pools = list(cache.pools.items())
         self.graphs: DecodeGraphs | None = None
         use_compile = not config.enforce_eager and (device.type == "cuda" or config.compile_on_cpu)
         if use_compile:
@@ -75,19 +72,20 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- batch metadata
     def prepare(self, scheduled: ScheduledBatch, pad_to: int | None = None,
-                table_width: int | None = None, previous: SampledStep | None = None,
+                fixed_layout: bool = False, previous: SampledStep | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
         """Inputs ``[T]``, positions ``[T]`` and the ``ForwardBatch`` of a step, padded with
         inert rows up to ``pad_to`` sequences (decode only), all views of one staged buffer
-        (``batch.staged``, see ``staging``). A pending input token (sampled by the ``previous``
-        step, not yet on the host) is taken from that step's device tokens."""
-        input_ids, positions, slot_mapping = [], [], []
+        (``batch.staged``, see ``staging``). Each cache kind's pool adds its own fields
+        (``CachePool.step_fields``), for ``fixed_layout`` in the fixed shapes that a CUDA
+        graph's static inputs take (sized for ``max_model_len``). A pending input token
+        (sampled by the ``previous`` step, not yet on the host) is taken from that step's
+        device tokens."""
+        input_ids, positions = [], []
         query_start_loc, seq_lens, context_lens, logits_indices = [0], [], [], []
         pending_rows, pending_sources = [], []
-        bs = self.block_size
         for seq, n in zip(scheduled.seqs, scheduled.num_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            table = seq.block_table
             known = seq.token_ids[start:end]
             if len(known) < n:  # the last input is pending: only ever one, in a decode step
                 assert previous is not None and n - len(known) == 1, f"{seq}: inputs missing"
@@ -96,59 +94,53 @@ class ModelRunner:
                 known.append(0)
             input_ids += known
             positions += range(start, end)
-            slot_mapping += [table[pos // bs] * bs + pos % bs for pos in range(start, end)] \
-                if table else [0] * n  # a model without paged layers
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(end)
             context_lens.append(start)
             if end == len(seq):
                 logits_indices.append(query_start_loc[-1] - 1)
-        tables = [seq.block_table for seq in scheduled.seqs]
-        slots = [seq.recurrent_slot if seq.recurrent_slot is not None else self.padding_slot
-                 for seq in scheduled.seqs]
-        has_initial_state = [c > 0 for c in context_lens]
-        for _ in range(len(scheduled), pad_to or 0):  # inert rows for a CUDA-graph bucket
-            input_ids.append(0)
-            positions.append(0)
-            slot_mapping.append(self.padding_block * self.block_size)
-            query_start_loc.append(query_start_loc[-1] + 1)
-            seq_lens.append(1)
-            context_lens.append(0)
-            tables.append([self.padding_block])
-            slots.append(self.padding_slot)
-            has_initial_state.append(False)
-            logits_indices.append(query_start_loc[-1] - 1)
+        num_padding = max(0, (pad_to or 0) - len(scheduled))
+        max_model_len = self.config.max_model_len if fixed_layout else None
+        cache_fields = {name: pool.step_fields(scheduled.seqs, context_lens, seq_lens,
+                                               num_padding, max_model_len)
+                        for name, pool in self.pools}
+        if num_padding:  # inert rows for a CUDA-graph bucket: one token at position 0 each
+            num_tokens = query_start_loc[-1]
+            input_ids += [0] * num_padding
+            positions += [0] * num_padding
+            query_start_loc += range(num_tokens + 1, num_tokens + num_padding + 1)
+            seq_lens = seq_lens + [1] * num_padding  # new lists: the pools were handed these
+            context_lens = context_lens + [0] * num_padding
+            logits_indices += range(num_tokens, num_tokens + num_padding)
         query_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
-        width = table_width or max(len(t) for t in tables) or 1
-        tables = [t + [self.padding_block] * (width - len(t)) for t in tables]
         fields = {"input_ids": (input_ids, torch.int64), "positions": (positions, torch.int64),
                   "query_start_loc": (query_start_loc, torch.int32),
                   "seq_lens": (seq_lens, torch.int32),
                   "context_lens": (context_lens, torch.int32),
-                  "block_tables": (tables, torch.int32),
-                  "slot_mapping": (slot_mapping, torch.int64),
-                  "recurrent_slots": (slots, torch.int64),
-                  "has_initial_state": (has_initial_state, torch.bool),
                   "logits_indices": (logits_indices, torch.int64)}
+        for name, kind_fields in cache_fields.items():  # "paged_kv.block_tables", ...
+            for field, value in kind_fields.items():
+                fields[f"{name}.{field}"] = value
         if pending_rows:  # last: a decode graph's static buffer ends before them
             fields["pending_rows"] = (pending_rows, torch.int64)
             fields["pending_sources"] = (pending_sources, torch.int64)
-        staged, tensors = stage(fields, self.device)
+        staged, tensors, layout = stage(fields, self.device)
+        caches = {name: pool.batch_type(**{field: tensors[f"{name}.{field}"]
+                                           for field in cache_fields[name]})
+                  for name, pool in self.pools}
         batch = ForwardBatch(
             is_prefill=scheduled.is_prefill,
             query_start_loc=tensors["query_start_loc"],
             seq_lens=tensors["seq_lens"],
             context_lens=tensors["context_lens"],
-            block_tables=tensors["block_tables"],
-            slot_mapping=tensors["slot_mapping"],
-            recurrent_slots=tensors["recurrent_slots"],
-            has_initial_state=tensors["has_initial_state"],
             logits_indices=tensors["logits_indices"],
+            caches=caches,
             query_lens_host=query_lens if scheduled.is_prefill else None,
             seq_lens_host=seq_lens if scheduled.is_prefill else None,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             staged=staged,
+            staged_layout=layout,
         )
         input_ids = tensors["input_ids"]
         if pending_rows:
@@ -175,8 +167,7 @@ class ModelRunner:
             if self.graphs is not None and not scheduled.is_prefill else None
         if bucket is not None:
             input_ids, positions, batch = self.prepare(scheduled, pad_to=bucket,
-                                                       table_width=self.max_blocks_per_seq,
-                                                       previous=previous)
+                                                       fixed_layout=True, previous=previous)
             return self.graphs.replay(input_ids, positions, batch)[:len(scheduled)]
         input_ids, positions, batch = self.prepare(scheduled, previous=previous)
         return self._forward_logits(input_ids, positions, batch)
@@ -235,8 +226,7 @@ class ModelRunner:
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(
                     self._decode_logits,
-                    lambda size: self.prepare(dummy, pad_to=size,
-                                              table_width=self.max_blocks_per_seq),
+                    lambda size: self.prepare(dummy, pad_to=size, fixed_layout=True),
                     sizes, CudaGraphCapture(self.device))
             torch.cuda.synchronize(self.device)
         self.startup_compile_seconds = time.perf_counter() - start

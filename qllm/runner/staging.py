@@ -28,13 +28,14 @@ def _views(buffer: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
 
 
 def stage(fields: dict[str, tuple[list, torch.dtype]], device: torch.device
-          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+          ) -> tuple[torch.Tensor, dict[str, torch.Tensor], Layout]:
     """``fields``: name -> (values, dtype); values a flat list or a list of equal-length lists.
 
-    Returns ``(buffer, views)``: the ``uint8`` buffer on ``device`` and each field as a tensor
-    viewing it. The layout follows the fields in order, so two calls with the same names,
-    dtypes and shapes lay their buffers out alike, and a call with more fields after those
-    extends the layout. One host-to-device copy, non-blocking from pinned memory on CUDA.
+    Returns ``(buffer, views, layout)``: the ``uint8`` buffer on ``device``, each field as a
+    tensor viewing it, and where each lies (name -> offset, bytes, dtype, shape). The layout
+    follows the fields in order, so two calls with the same names, dtypes and shapes lay
+    their buffers out alike, and a call with more fields after those extends the layout. One
+    host-to-device copy, non-blocking from pinned memory on CUDA.
     """
     tensors = {name: torch.tensor(values, dtype=dtype) for name, (values, dtype) in fields.items()}
     layout: Layout = {}
@@ -47,4 +48,4 @@ def stage(fields: dict[str, tuple[list, torch.dtype]], device: torch.device
     for name, view in _views(host, layout).items():
         view.copy_(tensors[name])
     buffer = host.to(device, non_blocking=True)
-    return buffer, _views(buffer, layout)
+    return buffer, _views(buffer, layout), layout

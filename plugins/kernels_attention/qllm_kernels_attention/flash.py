@@ -46,7 +46,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """``paged_attention_decode`` for qllm through FlashAttention."""
     if not _pages_supported(k_cache):
         return ops.paged_attention_decode(q, k_cache, v_cache, batch, scale)
-    return flash_decode(q, k_cache, v_cache, batch.seq_lens, batch.block_tables, scale)
+    return flash_decode(q, k_cache, v_cache, batch.seq_lens,
+                        batch.caches["paged_kv"].block_tables, scale)
 
 
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -59,4 +60,4 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return _fa.flash_attn_varlen_func(
         q, k_cache, v_cache, cu_seqlens_q=batch.query_start_loc, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=batch.max_query_len, max_seqlen_k=batch.max_seq_len,
-        softmax_scale=scale, causal=True, block_table=batch.block_tables)
+        softmax_scale=scale, causal=True, block_table=batch.caches["paged_kv"].block_tables)

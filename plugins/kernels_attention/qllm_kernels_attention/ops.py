@@ -75,11 +75,13 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            batch: ForwardBatch, scale: float) -> torch.Tensor:
     """``paged_attention_decode`` for qllm (see ``qllm.ops.attention``); tensor-only."""
-    return paged_decode(q, k_cache, v_cache, batch.seq_lens, batch.block_tables, scale)
+    return paged_decode(q, k_cache, v_cache, batch.seq_lens,
+                        batch.caches["paged_kv"].block_tables, scale)
 
 
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             batch: ForwardBatch, scale: float) -> torch.Tensor:
     """``paged_attention_prefill`` for qllm (see ``qllm.ops.attention``)."""
     return paged_prefill(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
-                         batch.context_lens, batch.block_tables, batch.max_query_len, scale)
+                         batch.context_lens, batch.caches["paged_kv"].block_tables,
+                         batch.max_query_len, scale)

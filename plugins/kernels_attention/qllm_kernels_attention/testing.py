@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qllm.cache.paged_kv import PagedKVBatch
 from qllm.runner.batch import ForwardBatch
 
 
@@ -58,11 +59,9 @@ def paged_inputs(query_lens: list[int], context_lens: list[int], q_heads: int, k
         query_start_loc=ints(starts),
         seq_lens=ints(seq_lens),
         context_lens=ints(context_lens),
-        block_tables=table.to(device),
-        slot_mapping=slot_mapping.to(device),
-        recurrent_slots=ints([0] * len(seq_lens), torch.int64),
-        has_initial_state=ints([c > 0 for c in context_lens], torch.bool),
         logits_indices=ints(starts[1:], torch.int64) - 1,
+        caches={"paged_kv": PagedKVBatch(block_tables=table.to(device),
+                                         slot_mapping=slot_mapping.to(device))},
         query_lens_host=list(query_lens),
         seq_lens_host=seq_lens,
         max_query_len=max(query_lens),

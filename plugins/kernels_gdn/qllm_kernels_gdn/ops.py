@@ -130,31 +130,35 @@ def _rms_norm_gated_heads_fake(x, gate, weight, eps):
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                          batch: ForwardBatch) -> torch.Tensor:
     """``causal_conv1d_update`` for qllm (see ``qllm.ops.gdn``); tensor-only."""
-    return conv1d_update(x, weight, conv_state, batch.recurrent_slots, batch.has_initial_state)
+    cache = batch.caches["recurrent_slot"]
+    return conv1d_update(x, weight, conv_state, cache.slots, cache.has_initial_state)
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                           batch: ForwardBatch, split_sizes: list[int]
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``causal_conv1d_prefill`` for qllm (see ``qllm.ops.gdn``); no host sync."""
-    return conv1d_prefill(x, weight, conv_state, batch.query_start_loc, batch.recurrent_slots,
-                          batch.has_initial_state, batch.max_query_len, split_sizes)
+    cache = batch.caches["recurrent_slot"]
+    return conv1d_prefill(x, weight, conv_state, batch.query_start_loc, cache.slots,
+                          cache.has_initial_state, batch.max_query_len, split_sizes)
 
 
 def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """``gdn_decode`` for qllm (see ``qllm.ops.gdn``); tensor-only, CUDA-graph capturable."""
-    return recurrent_decode(q, k, v, a, b, A_log, dt_bias, ssm_state, batch.recurrent_slots,
-                            batch.has_initial_state)
+    cache = batch.caches["recurrent_slot"]
+    return recurrent_decode(q, k, v, a, b, A_log, dt_bias, ssm_state, cache.slots,
+                            cache.has_initial_state)
 
 
 def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                 b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                 ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """``gdn_prefill`` for qllm through the recurrent Triton kernel (the fallback to fla)."""
+    cache = batch.caches["recurrent_slot"]
     return recurrent_prefill(q, k, v, a, b, A_log, dt_bias, ssm_state, batch.query_start_loc,
-                             batch.recurrent_slots, batch.has_initial_state)
+                             cache.slots, cache.has_initial_state)
 
 
 # Prefill steps of at most this many tokens take the recurrent kernel even where fla is
@@ -172,9 +176,9 @@ def fla_gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
     of up to ``RECURRENT_PREFILL_MAX_TOKENS`` tokens); no host sync."""
     if q.shape[0] <= RECURRENT_PREFILL_MAX_TOKENS:
         return gdn_prefill(q, k, v, a, b, A_log, dt_bias, ssm_state, batch)
+    cache = batch.caches["recurrent_slot"]
     return fla_chunk_prefill(q, k, v, a, b, A_log, dt_bias, ssm_state, batch.query_start_loc,
-                             batch.query_lens_host, batch.recurrent_slots,
-                             batch.has_initial_state)
+                             batch.query_lens_host, cache.slots, cache.has_initial_state)
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,

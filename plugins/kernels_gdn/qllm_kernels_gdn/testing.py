@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qllm.cache.recurrent_slots import RecurrentSlotBatch
 from qllm.runner.batch import ForwardBatch
 
 
@@ -43,11 +44,10 @@ def make_batch(query_lens: list[int], slots: list[int], has_state: list[bool],
         is_prefill=is_prefill,
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         seq_lens=zeros, context_lens=zeros,
-        block_tables=torch.zeros(len(query_lens), 1, dtype=torch.int32, device=device),
-        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64, device=device),
-        recurrent_slots=torch.tensor(slots, dtype=torch.int64, device=device),
-        has_initial_state=torch.tensor(has_state, dtype=torch.bool, device=device),
         logits_indices=torch.tensor(starts[1:], dtype=torch.int64, device=device) - 1,
+        caches={"recurrent_slot": RecurrentSlotBatch(
+            slots=torch.tensor(slots, dtype=torch.int64, device=device),
+            has_initial_state=torch.tensor(has_state, dtype=torch.bool, device=device))},
         query_lens_host=list(query_lens),
         max_query_len=max(query_lens))
 
@@ -107,7 +107,7 @@ def conv_inputs(batch: ForwardBatch, geometry: GDNGeometry, num_slots: int,
     seen as ``[S + 1, C, K - 1]``, or with ``contiguous_state`` a contiguous one."""
     device = batch.query_start_loc.device
     gen = torch.Generator(device=device).manual_seed(seed)
-    tokens, channels = batch.slot_mapping.shape[0], geometry.conv_dim
+    tokens, channels = sum(batch.query_lens_host), geometry.conv_dim
 
     def randn(*shape, dtype=dtype):
         return torch.randn(*shape, generator=gen, device=device).to(dtype)
@@ -131,7 +131,7 @@ def gdn_inputs(batch: ForwardBatch, geometry: GDNGeometry, num_slots: int,
     ``contiguous_state`` a contiguous one."""
     device = batch.query_start_loc.device
     gen = torch.Generator(device=device).manual_seed(seed)
-    tokens = batch.slot_mapping.shape[0]
+    tokens = sum(batch.query_lens_host)
     hk, hv, dk, dv = (geometry.num_k_heads, geometry.num_v_heads, geometry.head_k_dim,
                       geometry.head_v_dim)
 
