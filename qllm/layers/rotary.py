@@ -58,3 +58,50 @@ class QKNormRotary(nn.Module):
         ``(q, k)``; ``q_norm`` and ``k_norm`` share one eps and flavour."""
         return self._qk_norm_rope(q, k, q_norm.weight, k_norm.weight, self.cos_sin, positions,
                                   q_norm.eps, q_norm.zero_centered)
+
+
+def mrope_axes(mrope_section: list[int], num_frequencies: int, interleaved: bool) -> list[int]:
+    """Which position axis (0 temporal, 1 height, 2 width) drives each of the rotary dims'
+    ``num_frequencies`` frequencies under multi-axis RoPE (M-RoPE), as transformers lays it
+    out. Interleaved (Qwen3-VL, Qwen3.5): frequency ``i`` reads height when ``i % 3 == 1 and
+    i < 3 * section[1]``, width when ``i % 3 == 2 and i < 3 * section[2]``, else the temporal
+    axis. Sectioned (Qwen2-VL): the first ``section[0]`` frequencies temporal, the next
+    ``section[1]`` height, the rest width."""
+    if interleaved:
+        return [1 if i % 3 == 1 and i < 3 * mrope_section[1]
+                else 2 if i % 3 == 2 and i < 3 * mrope_section[2] else 0
+                for i in range(num_frequencies)]
+    bounds = [mrope_section[0], mrope_section[0] + mrope_section[1]]
+    return [0 if i < bounds[0] else 1 if i < bounds[1] else 2 for i in range(num_frequencies)]
+
+
+class MultiAxisQKNormRotary(QKNormRotary):
+    """``QKNormRotary`` whose positions may have three axes (M-RoPE): ``positions [3, T]``
+    (temporal, height, width; a text token has one value on all three), each rotary
+    frequency driven by the axis ``mrope_axes`` gives it. Positions ``[T]`` rotate exactly as
+    ``QKNormRotary``, and so do ``[3, T]`` whose axes agree: each token's row of the table is
+    assembled from the rows at its three positions, then handed to the same ``qk_norm_rope``
+    op as a per-token table (row ``t`` for token ``t``)."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_positions: int, theta: float,
+                 kernels: Kernels, mrope_section: list[int], interleaved: bool = True):
+        super().__init__(head_dim, rotary_dim, max_positions, theta, kernels)
+        self.column_axes = mrope_axes(list(mrope_section), rotary_dim // 2, interleaved) * 2
+        self.register_buffer("column_axis", torch.empty(rotary_dim, dtype=torch.int64),
+                             persistent=False)  # [R]: the axis each [cos | sin] column reads
+
+    def reset_derived_buffers(self) -> None:
+        super().reset_derived_buffers()
+        self.column_axis.copy_(torch.tensor(self.column_axes))
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                q_norm: RMSNorm, k_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [T]`` or ``[3, T]``; otherwise as ``QKNormRotary.forward``."""
+        if positions.dim() == 1:
+            return super().forward(positions, q, k, q_norm, k_norm)
+        rows = self.cos_sin[positions]  # [3, T, R]
+        index = self.column_axis.expand(1, rows.shape[1], -1)  # [1, T, R]
+        cos_sin = rows.gather(0, index)[0]  # [T, R]: each column from its axis' position
+        tokens = torch.arange(cos_sin.shape[0], device=cos_sin.device)
+        return self._qk_norm_rope(q, k, q_norm.weight, k_norm.weight, cos_sin, tokens,
+                                  q_norm.eps, q_norm.zero_centered)

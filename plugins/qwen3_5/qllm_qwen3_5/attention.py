@@ -14,15 +14,16 @@ from torch import nn
 from qllm.layers.attention import PagedAttention
 from qllm.layers.linear import Linear, PackedLinear
 from qllm.layers.norm import RMSNorm
-from qllm.layers.rotary import QKNormRotary, rope_theta
+from qllm.layers.rotary import MultiAxisQKNormRotary, QKNormRotary, rope_theta
 from qllm.plugins import Kernels
 from qllm.runner.batch import ForwardBatch
 
-from qllm_qwen3_5.config import rotary_dim_of
+from qllm_qwen3_5.config import mrope_section_of, rotary_dim_of
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, config, kernels: Kernels, cache_dtype: torch.dtype):
+    def __init__(self, config, kernels: Kernels, cache_dtype: torch.dtype,
+                 multi_axis_positions: bool = False):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -36,15 +37,18 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(q_size, config.hidden_size, kernels, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered=True)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered=True)
-        self.qk_rotary = QKNormRotary(self.head_dim, rotary_dim_of(config),
-                                      config.max_position_embeddings, rope_theta(config),
-                                      kernels)
+        rotary_args = (self.head_dim, rotary_dim_of(config), config.max_position_embeddings,
+                       rope_theta(config), kernels)
+        # the multimodal checkpoints: interleaved M-RoPE over positions [3, T]
+        self.qk_rotary = MultiAxisQKNormRotary(*rotary_args, mrope_section_of(config)) \
+            if multi_axis_positions else QKNormRotary(*rotary_args)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, kernels,
                                    cache_dtype)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
-        """``positions [T]``, ``hidden [T, H]`` -> ``[T, H]``."""
+        """``positions [T]`` (``[3, T]`` with multi-axis positions), ``hidden [T, H]`` ->
+        ``[T, H]``."""
         q_gate, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q, gate = q_gate.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, Hkv, D]

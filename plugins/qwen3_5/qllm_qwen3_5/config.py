@@ -100,3 +100,18 @@ def rotary_dim_of(text_config) -> int:
     factor = params.get("partial_rotary_factor",
                         getattr(text_config, "partial_rotary_factor", 1.0))
     return int(text_config.head_dim * factor)
+
+
+def mrope_section_of(text_config) -> list[int]:
+    """M-RoPE's frequencies per axis (temporal, height, width) from ``rope_parameters``;
+    transformers' Qwen3.5 default when absent. Qwen3.5's text rotary always interleaves the
+    axes (``mrope_interleaved`` is not read by transformers either)."""
+    params = getattr(text_config, "rope_parameters", None) or {}
+    return list(params.get("mrope_section") or [11, 11, 10])
+
+
+def vision_config_of(architecture: str, hf_config):
+    """The vision tower's config for the multimodal architectures, else None."""
+    if not architecture.endswith("ForConditionalGeneration"):
+        return None
+    return getattr(hf_config, "vision_config", None)

