@@ -43,7 +43,8 @@ def run_qllm(model_dir: str, prompts, params, args) -> dict:
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               enforce_eager=args.enforce_eager, async_scheduling=not args.sync_scheduling,
               recurrent_state_dtype=args.recurrent_state_dtype,
-              max_autotune_gemm=args.max_autotune_gemm, kernels=dict(args.kernel))
+              max_autotune_gemm=args.max_autotune_gemm, kernels=dict(args.kernel),
+              quantization=args.quantization)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     startup = time.perf_counter() - start
     sampling = [SamplingParams(temperature=t, max_tokens=m, ignore_eos=True) for m, t in params]
@@ -176,6 +177,9 @@ def main() -> int:
     parser.add_argument("--max-autotune-gemm", action="store_true",
                         help="Inductor GEMM autotuning in the decode layers (it reaches the "
                              "projections only with --kernel linear=torch)")
+    parser.add_argument("--quantization", help="weight format, e.g. int8 or fp8 "
+                                               "(qllm-kernels-int8): the random weights are "
+                                               "quantized at load")
     parser.add_argument("--kernel", action="append", default=[], type=kernel_pin,
                         metavar="OP=NAME", help="pin an op to a named implementation, e.g. "
                                                 "linear=torch (repeatable)")
@@ -212,7 +216,8 @@ def main() -> int:
     if args.engine == "qllm":
         result.update(async_scheduling=not args.sync_scheduling,
                       recurrent_state_dtype=args.recurrent_state_dtype,
-                      max_autotune_gemm=args.max_autotune_gemm, kernel_pins=dict(args.kernel))
+                      max_autotune_gemm=args.max_autotune_gemm, kernel_pins=dict(args.kernel),
+                      quantization=args.quantization)
     result.update(engine=args.engine, workload=args.workload, prompts=len(prompts),
                   tok_per_s=round(result["tokens"] / result["seconds"], 1),
                   peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),

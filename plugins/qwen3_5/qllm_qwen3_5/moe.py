@@ -175,6 +175,9 @@ class SparseMoeBlock(nn.Module):
         self.num_experts = config.num_experts
         self.input_proj = PackedLinear(config.hidden_size, {
             "router": config.num_experts, "shared_expert_gate": 1}, kernels, row_multiple=8)
+        # 8-bit weight formats keep the router's logits in full precision (Qwen's FP8
+        # checkpoints keep gate and shared_expert_gate in bf16 too)
+        self.input_proj.quantizable = False
         self.router = Router(config.num_experts_per_tok, renormalize, kernels)
         self.experts = Experts(config.num_experts, config.hidden_size,
                                config.moe_intermediate_size, kernels)
