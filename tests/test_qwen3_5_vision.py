@@ -5,13 +5,19 @@ getting a clear error."""
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 import torch
+
+from helpers import assert_cache_free
 
 pytest.importorskip("PIL", reason="image prompts need Pillow")
 testing = pytest.importorskip("qllm_qwen3_5.testing")
 
-from qllm import LLM  # noqa: E402
+from qllm import LLM, SamplingParams  # noqa: E402
+from qllm.multimodal import MediaError  # noqa: E402
 
 ENGINE = dict(block_size=16, max_model_len=512, num_kv_blocks=96)
 
@@ -122,3 +128,112 @@ def _runs(mask):
             runs.append((start, i - start))
             start = None
     return runs
+
+
+# ----------------------------------------------------------------------------- end to end
+
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cases(checkpoint):
+    """``(prompt text, images, transformers' inputs, transformers' greedy tokens)``: one
+    image, two images of different sizes, text only."""
+    path, model = checkpoint
+    prompts = [("Look at " + IMAGE + " and say what it is.",
+                [testing.random_image(64, 96, seed=1)]),
+               ("Compare " + IMAGE + " with " + IMAGE + ", please.",
+                [testing.random_image(200, 130, seed=2), testing.random_image(40, 40, seed=3)]),
+               ("Only some text, without any image.", [])]
+    out = []
+    for text, images in prompts:
+        inputs = testing.hf_vl_inputs(path, text, images)
+        out.append((text, images, inputs, testing.hf_vl_greedy(model, inputs, MAX_TOKENS)))
+    return out
+
+
+def _run(llm, cases):
+    engine = llm.engine
+    seqs = [engine.add_request(text, GREEDY, media={"image": images})
+            for text, images, _, _ in cases]
+    while engine.has_unfinished():
+        engine.step()
+    return seqs
+
+
+def test_prefill_logits_match_transformers(checkpoint, llm, cases):
+    """Logits at every position of an image prompt and a text prompt, one prefill step."""
+    from qllm.engine.scheduler import ScheduledBatch
+    from qllm.engine.sequence import Sequence
+
+    _, model = checkpoint
+    engine = llm.engine
+    for text, images, inputs, _ in cases[1:]:
+        with torch.no_grad():
+            expected = model(**inputs).logits[0]
+        ids, mm = engine.process_prompt(text, {"image": images})
+        seq = Sequence(ids, GREEDY)
+        seq.multimodal = mm
+        assert engine.cache.admit(seq) and engine.cache.reserve(seq, len(ids))
+        try:
+            batch = engine.runner.prepare(ScheduledBatch([seq], [len(ids)], is_prefill=True))
+            with torch.inference_mode():
+                logits = engine.model.compute_logits(engine.model(*batch))
+        finally:
+            engine.cache.release(seq)
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param({}, id="all-together"),
+    pytest.param({"max_num_batched_tokens": 16}, id="chunked-prefill-splitting-images"),
+])
+def test_greedy_matches_transformers(checkpoint, cases, options):
+    """Image prompts batched with a text prompt: the prompt tokens transformers' processor
+    forms and the greedy tokens of transformers, alone and with images split over chunks."""
+    llm = LLM(checkpoint[0], **{**ENGINE, **options})
+    seqs = _run(llm, cases)
+    for seq, (text, _, inputs, expected) in zip(seqs, cases):
+        assert seq.token_ids[:seq.num_prompt_tokens] == inputs["input_ids"][0].tolist()
+        assert seq.output_token_ids == expected, f"{text!r} diverged"
+    assert_cache_free(llm)
+
+
+def test_preemption_keeps_encoder_outputs(checkpoint, cases):
+    """With too few KV blocks the image requests are preempted and recomputed: the same
+    tokens, and each image is encoded once."""
+    llm = LLM(checkpoint[0], block_size=8, max_model_len=64, num_kv_blocks=8)
+    calls = []
+    encode = llm.engine.model.encode
+    llm.engine.model.encode = lambda item: calls.append(item) or encode(item)
+    seqs = _run(llm, cases)
+    assert llm.engine.scheduler.num_preemptions > 0, "the KV budget should force preemption"
+    assert [seq.output_token_ids for seq in seqs] == [case[3] for case in cases]
+    assert len(calls) == 3 and len({id(item) for item in calls}) == 3
+    assert_cache_free(llm)
+
+
+# ----------------------------------------------------------------------------- bad media
+
+def test_bad_media_get_clear_errors(checkpoint, llm, tmp_path):
+    engine = llm.engine
+    image = testing.random_image(64, 96, seed=1)
+    bad = [
+        (("x " + IMAGE, {"image": [b"\x89PNG\r\n\x1a\n not really a png"]}), "cannot decode"),
+        (("x " + IMAGE, {"image": [image, image]}), "1 image placeholder(s)"),
+        (("x " + IMAGE, {}), "1 image placeholder(s)"),
+        (("x " + IMAGE, {"image": ["https://example.com/cat.png"]}), "remote image URLs"),
+        (("x " + IMAGE, {"image": [str(tmp_path / "missing.png")]}), "does not exist"),
+        (("x " + IMAGE, {"audio": [(np.zeros(16000, np.float32), 16000)]}), "not audio"),
+    ]
+    for (prompt, media), message in bad:
+        with pytest.raises(MediaError, match=re.escape(message)):
+            engine.add_request(prompt, GREEDY, media=media)
+    small = LLM(checkpoint[0], **{**ENGINE, "max_model_len": 40})
+    too_long = "(64 of them for 1 image(s)), but max_model_len is 40"
+    with pytest.raises(MediaError, match=re.escape(too_long)):
+        small.engine.add_request("x " + IMAGE, GREEDY,
+                                 media={"image": [testing.random_image(256, 256)]})
+    assert not engine.has_unfinished() and not small.engine.has_unfinished()

@@ -67,6 +67,12 @@ class BlockManager:
         assert not self.tables.get(seq.seq_id), f"{seq} already holds blocks"
         table = self.tables[seq.seq_id] = []
         cacheable = (len(seq) - 1) // self.block_size * self.block_size
+        if getattr(seq, "multimodal", None) is not None and seq.multimodal.items:
+            # media placeholders are the same tokens for any image or audio: only the blocks
+            # before the first may be shared (later ones are never hit, since a prompt
+            # without media holds no placeholder)
+            first = seq.multimodal.first_placeholder
+            cacheable = min(cacheable, first // self.block_size * self.block_size)
         parent = None
         for start in range(0, cacheable if self.enable_prefix_caching else 0, self.block_size):
             tokens = tuple(seq.token_ids[start:start + self.block_size])

@@ -17,6 +17,7 @@ from qllm.engine.scheduler import Scheduler
 from qllm.engine.sequence import Sequence, SequenceStatus
 from qllm.engine.stop import check_stop
 from qllm.model_builder import build_model, load_hf_config
+from qllm.multimodal import MODALITIES, MediaError, MultimodalInputs, load_audio, load_image
 from qllm.plugins import PluginRegistry, default_registry
 from qllm.runner.model_runner import ModelRunner, SampledStep
 
@@ -59,6 +60,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(self.model, config, self.cache, self.device, self.vocab_size)
         self.tokenizer = load_tokenizer(config.model)
+        # a multimodal model's media prompts (qllm.multimodal); None for a text-only model
+        self.input_processor = self.model.input_processor(config.model, self.tokenizer)
         self.eos_token_ids = eos_token_ids(config.model, text_config, self.tokenizer)
         self.sequences: dict[str, Sequence] = {}
         self._in_flight: SampledStep | None = None  # launched, tokens not yet appended
@@ -130,17 +133,57 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is "
                              f"{self.config.max_model_len}: no room to generate")
 
+    def process_prompt(self, prompt: str | list[int], media: dict | None = None
+                       ) -> tuple[list[int], MultimodalInputs | None]:
+        """Token ids of ``prompt`` and, for a multimodal model, its encoder inputs and
+        positions. ``media``: modality ("image", "audio") -> items in prompt order (see
+        ``qllm.multimodal.load_image`` / ``load_audio`` for the forms taken); the prompt holds
+        one placeholder (``input_processor.placeholders``) per item. Bad media, or a prompt
+        whose media tokens do not fit ``max_model_len``, raise ``MediaError``."""
+        token_ids = self.tokenize(prompt)
+        media = {kind: items for kind, items in (media or {}).items() if items}
+        if self.input_processor is None:
+            if media:
+                raise MediaError(f"{self.config.model} is a text-only model; it takes no "
+                                 f"{' or '.join(sorted(media))} inputs")
+            return token_ids, None
+        if not media:
+            return token_ids, self.input_processor.positions(token_ids)
+        decoded = {}
+        for kind, items in media.items():
+            if kind not in MODALITIES:
+                raise MediaError(f"unknown media kind {kind!r}; one of {list(MODALITIES)}")
+            load = load_image if kind == "image" else load_audio
+            decoded[kind] = [load(item) for item in items]
+        expanded, mm = self.input_processor.process(token_ids, decoded)
+        if len(expanded) >= self.config.max_model_len:
+            counts = ", ".join(f"{len(items)} {kind}(s)" for kind, items in decoded.items())
+            media_tokens = sum(item.length for item in mm.items) if mm else 0
+            raise MediaError(f"the prompt has {len(expanded)} tokens ({media_tokens} of them "
+                             f"for {counts}), but max_model_len is "
+                             f"{self.config.max_model_len}: no room to generate; send fewer "
+                             f"or smaller media")
+        return expanded, mm
+
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams,
-                    request_id: str | None = None, stream_text: bool = False) -> Sequence:
-        """Queue one request; with ``stream_text`` its ``output_text`` grows every step."""
+                    request_id: str | None = None, stream_text: bool = False,
+                    media: dict | None = None, multimodal: MultimodalInputs | None = None
+                    ) -> Sequence:
+        """Queue one request; with ``stream_text`` its ``output_text`` grows every step.
+        ``media`` as for ``process_prompt``; or ``multimodal``, the inputs that
+        ``process_prompt`` made of ``prompt`` (then the expanded token ids)."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, "
                             f"got {type(sampling_params).__name__}")
-        token_ids = self.tokenize(prompt)
+        if multimodal is None:
+            token_ids, multimodal = self.process_prompt(prompt, media)
+        else:
+            token_ids = self.tokenize(prompt)
         self.validate(token_ids)
         if request_id is not None and request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(token_ids, sampling_params, request_id)
+        seq.multimodal = multimodal
         if sampling_params.seed is not None:
             seq.generator = torch.Generator(self.device).manual_seed(sampling_params.seed)
         if (stream_text or sampling_params.stop) and self.tokenizer is not None:
@@ -200,6 +243,9 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self.sequences.pop(seq.request_id, None)
+        if seq.multimodal is not None:  # the encoders' outputs are needed no more
+            for item in seq.multimodal.items:
+                item.embeds = None
         if seq.detokenizer is None and self.tokenizer is not None:
             seq.output_text = self.tokenizer.decode(seq.output_token_ids,
                                                     skip_special_tokens=True)

@@ -46,6 +46,8 @@ class Sequence:
         self.num_preemptions = 0
         self.generator = None  # a torch.Generator when sampling_params.seed is set
         self.num_pending_tokens = 0  # sampled by a launched step, value not yet on the host
+        # a request with media: its encoder inputs and rotary positions (qllm.multimodal)
+        self.multimodal = None
 
     def __len__(self) -> int:
         """Tokens known plus tokens pending."""

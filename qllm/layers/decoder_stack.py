@@ -28,8 +28,12 @@ class DecoderStack(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
-        """``input_ids``/``positions`` ``[T]`` -> final hidden states ``[T, H]``."""
+        """``input_ids [T]``, ``positions [T]`` (or ``[A, T]``) -> final hidden states
+        ``[T, H]``."""
         hidden, residual = self.embed_tokens(input_ids), None  # [T, H]
+        if batch.encoder_rows is not None:  # media placeholders take their encoders' output
+            hidden = hidden.index_copy(0, batch.encoder_rows,
+                                       batch.encoder_embeds.to(hidden.dtype))
         for layer in self.layers:
             run = layer.forward if batch.is_prefill else layer
             hidden, residual = run(positions, hidden, residual, batch)

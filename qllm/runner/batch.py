@@ -46,6 +46,10 @@ class ForwardBatch:
     # for a batch built another way
     staged: torch.Tensor | None = None
     staged_layout: Layout | None = None
+    # prefill rows of media placeholders and what replaces their token embeddings (their
+    # encoders' outputs, ``qllm.multimodal``); None in a step without media
+    encoder_rows: torch.Tensor | None = None    # [M] int64
+    encoder_embeds: torch.Tensor | None = None  # [M, H]
 
     @property
     def num_seqs(self) -> int:

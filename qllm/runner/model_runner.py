@@ -14,6 +14,7 @@ from qllm.engine.scheduler import ScheduledBatch
 from qllm.engine.sequence import Sequence
 from qllm.layers.sampler import SamplingTensors, sample
 from qllm.model_api import CausalLM
+from qllm.multimodal import encoder_rows, rotary_positions
 from qllm.runner.batch import ForwardBatch
 from qllm.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from qllm.runner.staging import stage
@@ -65,6 +66,8 @@ class ModelRunner:
         # the cache kinds' pools, in the registry's (the model's) order: each builds its own
         # fields of every step, padding rows included
         self.pools = list(cache.pools.items())
+        # a multi-axis rotary model (M-RoPE) takes positions [A, T] (qllm.multimodal)
+        self.position_axes = getattr(model, "rotary_position_axes", 1)
         self.graphs: DecodeGraphs | None = None
         use_compile = not config.enforce_eager and (device.type == "cuda" or config.compile_on_cpu)
         if use_compile:
@@ -74,14 +77,19 @@ class ModelRunner:
     def prepare(self, scheduled: ScheduledBatch, pad_to: int | None = None,
                 fixed_layout: bool = False, previous: SampledStep | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
-        """Inputs ``[T]``, positions ``[T]`` and the ``ForwardBatch`` of a step, padded with
+        """Inputs ``[T]``, positions ``[T]`` (``[A, T]`` for a model of ``A > 1`` rotary
+        position axes) and the ``ForwardBatch`` of a step, padded with
         inert rows up to ``pad_to`` sequences (decode only), all views of one staged buffer
         (``batch.staged``, see ``staging``). Each cache kind's pool adds its own fields
         (``CachePool.step_fields``), for ``fixed_layout`` in the fixed shapes that a CUDA
         graph's static inputs take (sized for ``max_model_len``). A pending input token
         (sampled by the ``previous`` step, not yet on the host) is taken from that step's
-        device tokens."""
+        device tokens. A prefill step's rows of media placeholders get their encoder's output
+        (``batch.encoder_rows`` / ``encoder_embeds``; the encoder runs on an item's first
+        step)."""
         input_ids, positions = [], []
+        axes_positions = [[] for _ in range(self.position_axes)]
+        mm_rows, mm_embeds = [], []
         query_start_loc, seq_lens, context_lens, logits_indices = [0], [], [], []
         pending_rows, pending_sources = [], []
         for seq, n in zip(scheduled.seqs, scheduled.num_tokens):
@@ -92,8 +100,18 @@ class ModelRunner:
                 pending_rows.append(len(input_ids) + len(known))
                 pending_sources.append(previous.rows[seq.seq_id])
                 known.append(0)
+            if seq.multimodal is not None and scheduled.is_prefill:
+                for item, first, last in encoder_rows(seq.multimodal, start, end):
+                    row = len(input_ids) + item.offset + first - start
+                    mm_rows += range(row, row + last - first)
+                    mm_embeds.append(self._encoded(item)[first:last])
             input_ids += known
-            positions += range(start, end)
+            if self.position_axes > 1:
+                for axis, rows in zip(axes_positions, rotary_positions(
+                        seq.multimodal, start, end, self.position_axes)):
+                    axis += rows
+            else:
+                positions += range(start, end)
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(end)
             context_lens.append(start)
@@ -108,11 +126,15 @@ class ModelRunner:
             num_tokens = query_start_loc[-1]
             input_ids += [0] * num_padding
             positions += [0] * num_padding
+            for axis in axes_positions:
+                axis += [0] * num_padding
             query_start_loc += range(num_tokens + 1, num_tokens + num_padding + 1)
             seq_lens = seq_lens + [1] * num_padding  # new lists: the pools were handed these
             context_lens = context_lens + [0] * num_padding
             logits_indices += range(num_tokens, num_tokens + num_padding)
         query_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
+        if self.position_axes > 1:
+            positions = axes_positions
         fields = {"input_ids": (input_ids, torch.int64), "positions": (positions, torch.int64),
                   "query_start_loc": (query_start_loc, torch.int32),
                   "seq_lens": (seq_lens, torch.int32),
@@ -124,6 +146,8 @@ class ModelRunner:
         if pending_rows:  # last: a decode graph's static buffer ends before them
             fields["pending_rows"] = (pending_rows, torch.int64)
             fields["pending_sources"] = (pending_sources, torch.int64)
+        if mm_rows:  # prefill only
+            fields["encoder_rows"] = (mm_rows, torch.int64)
         staged, tensors, layout = stage(fields, self.device)
         caches = {name: pool.batch_type(**{field: tensors[f"{name}.{field}"]
                                            for field in cache_fields[name]})
@@ -141,11 +165,24 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             staged=staged,
             staged_layout=layout,
+            encoder_rows=tensors["encoder_rows"] if mm_rows else None,
+            encoder_embeds=torch.cat(mm_embeds) if mm_rows else None,
         )
         input_ids = tensors["input_ids"]
         if pending_rows:
             input_ids[tensors["pending_rows"]] = previous.device_tokens[tensors["pending_sources"]]
         return input_ids, tensors["positions"], batch
+
+    def _encoded(self, item) -> torch.Tensor:
+        """A media item's encoder output ``[item.length, H]``, computed on its first step
+        and kept with the request (a chunked or recomputed prompt reuses it)."""
+        if item.embeds is None:
+            embeds = self.model.encode(item)
+            if embeds.shape[0] != item.length:
+                raise RuntimeError(f"the {item.modality} encoder gave {embeds.shape[0]} rows "
+                                   f"for {item.length} placeholder tokens")
+            item.embeds = embeds
+        return item.embeds
 
     # ----------------------------------------------------------------- forward
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -263,7 +263,7 @@ def build_vl_model(seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     config = transformers.Qwen3_5Config(text_config={**TEXT, **VL_TEXT},
-                                        vision_config=VL_VISION, tie_word_embeddings=True,
+                                        vision_config=VL_VISION, tie_word_embeddings=False,
                                         **VL_TOKENS)
     model = transformers.Qwen3_5ForConditionalGeneration(config)
     perturb_(model, seed + 1)
