@@ -22,8 +22,12 @@
 #   w1-peer, w2-peer, w3-peer:
 #   transformers on the same workload; w1-sync: W1 without async scheduling; w2, w3 and
 #   their profiles keep the GDN state in bf16, as vLLM's anchors do (WORKLOADS.md), and
-#   w2-fp32-state runs W2 with the fp32 default; profile-w1/w2/w3, profile-w1-prefill,
-#   profile-w2-prefill: profile_step.py;
+#   w2-fp32-state runs W2 with the fp32 default; w2-256: W2 at max_num_seqs=256 and
+#   max_model_len=4096 (the outside harness's settings); w2-int8, w2-fp8, w3-int8, w3-fp8:
+#   W2 / W3 with 8-bit weights (qllm-kernels-int8); int8-tests: that plugin's kernel,
+#   accuracy and weight-format tests; config-tests: the Qwen3.5 config variants (a shared
+#   expert of another size) and the out-of-tree cache kind on CUDA; profile-w1/w2/w3,
+#   profile-w1-prefill, profile-w2-prefill: profile_step.py;
 #   ncu-gdn: Nsight Compute counters of the GDN decode kernel at batch 200 (bf16 state in
 #   consecutive slots, as in W2; the sweep's first config, the default 16 x 1 warp);
 #   state-dtype: bf16 vs fp32 recurrent state at the real geometry; tune-moe: quick MoE
@@ -45,7 +49,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/qwen3 \
     -e plugins/qwen3_5 -e plugins/kernels_attention -e plugins/kernels_moe \
-    -e plugins/kernels_gdn -e plugins/kernels_linear > "$out/install.log" 2>&1 \
+    -e plugins/kernels_gdn -e plugins/kernels_linear -e plugins/kernels_int8 \
+    > "$out/install.log" 2>&1 \
     || { tail "$out/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv | tee "$out/gpu.txt"
 # Tests print their reports as they go (-s), and a test past 150 s (300 s for the model tests,
@@ -75,6 +80,11 @@ for stage in "$@"; do
                              tests/test_kernels_attention.py ;;
         linear-tests) run linear_tests 300 python3 -m pytest $PYTEST_GPU \
                           tests/test_kernels_linear.py ;;
+        int8-tests) run int8_tests 300 python3 -m pytest $PYTEST_GPU \
+                        tests/test_kernels_int8.py tests/test_int8_accuracy.py \
+                        tests/test_weight_formats.py ;;
+        config-tests) run config_tests 200 python3 -m pytest $PYTEST_GPU \
+                          tests/test_qwen3_5_configs.py tests/test_cache_kind_plugin.py ;;
         kernels) run bench_attention 100 python3 benchmarks/bench_attention.py
                  run bench_moe 100 python3 benchmarks/bench_moe.py
                  run bench_gdn 100 python3 benchmarks/bench_gdn.py
@@ -94,6 +104,14 @@ for stage in "$@"; do
         w2) run w2 360 python3 benchmarks/throughput.py --workload w2 --max-num-seqs 200 \
                 --max-model-len 3072 --recurrent-state-dtype bfloat16 \
                 --profile-decode 200 2000 --profile-out "$out" ;;
+        w2-256) run w2_256 300 python3 benchmarks/throughput.py --workload w2 --max-num-seqs 256 \
+                    --max-model-len 4096 --recurrent-state-dtype bfloat16 ;;
+        w2-int8|w2-fp8) run "${stage/-/_}" 360 python3 benchmarks/throughput.py --workload w2 \
+                            --max-num-seqs 200 --max-model-len 3072 --recurrent-state-dtype \
+                            bfloat16 --quantization "${stage#w2-}" ;;
+        w3-int8|w3-fp8) run "${stage/-/_}" 200 python3 benchmarks/throughput.py --workload w3 \
+                            --max-num-seqs 1 --max-model-len 1024 --recurrent-state-dtype \
+                            bfloat16 --quantization "${stage#w3-}" ;;
         w2-peer) run w2_peer 200 python3 benchmarks/throughput.py --workload w2 \
                      --engine transformers --peer-prompts 32 --peer-batch 32 \
                      --peer-max-tokens 200 ;;
