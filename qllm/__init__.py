@@ -3,6 +3,7 @@
 from qllm.config import EngineConfig, SamplingParams
 from qllm.engine.llm import LLM
 from qllm.engine.llm_engine import LLMEngine
+from qllm.layers.logprobs import Logprob
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "Logprob"]
 __version__ = "0.1.0"

@@ -61,6 +61,17 @@ class SamplingParams:
     regardless of what it is batched with; ``stop`` takes one string or a list of them. A
     value of the wrong type raises ``TypeError``, one out of range ``ValueError``, each naming
     the field.
+
+    ``n`` completions per prompt (``LLM.generate``; choice i of a seeded request samples with
+    ``seed + i``). ``logprobs=k`` returns, per generated token, the log-probabilities of the
+    k most likely tokens and of the sampled one (with ranks); ``prompt_logprobs=k`` the same
+    for each prompt token. Both are of the raw model distribution: before penalties,
+    temperature and top-k/top-p, as vLLM's default. Penalties as vLLM defines them:
+    ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]) subtract from the logits of
+    tokens generated so far (once, or once per occurrence); ``repetition_penalty`` (> 0, 1 is
+    off) divides the positive and multiplies the negative logits of tokens in the prompt or
+    generated. ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled, and stop
+    strings are not checked, until that many tokens are generated.
     """
 
     temperature: float = 1.0
@@ -71,6 +82,13 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -94,10 +112,31 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, "
                              f"got {self.stop_token_ids!r}")
+        if self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 is off), "
+                             f"got {self.repetition_penalty!r}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
 
 def resolve_dtype(dtype, field: str = "dtype") -> torch.dtype | None:

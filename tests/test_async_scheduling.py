@@ -72,8 +72,8 @@ def test_batches_are_launched_before_the_previous_tokens_are_read(qwen3_dir, mon
     launch, tokens = llm.engine.runner.launch, SampledStep.tokens
 
     # the events hold the steps themselves: an id() of a freed step may be reused by a later one
-    def recording_launch(batch, previous=None):
-        step = launch(batch, previous)
+    def recording_launch(batch, previous=None, **options):
+        step = launch(batch, previous, **options)
         events.append(("launch", step))
         return step
 

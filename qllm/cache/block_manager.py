@@ -73,6 +73,8 @@ class BlockManager:
             # without media holds no placeholder)
             first = seq.multimodal.first_placeholder
             cacheable = min(cacheable, first // self.block_size * self.block_size)
+        if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+            cacheable = 0  # its prompt log-probs need the logits of every prompt position
         parent = None
         for start in range(0, cacheable if self.enable_prefix_caching else 0, self.block_size):
             tokens = tuple(seq.token_ids[start:start + self.block_size])

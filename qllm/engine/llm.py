@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -39,25 +40,32 @@ class LLM:
         """Generate for each prompt (a string or a list of token ids): one prompt or a list.
 
         ``sampling_params`` is one ``SamplingParams`` for all prompts or one per prompt.
-        Returns, in prompt order, dicts with ``text``, ``token_ids`` (generated tokens only),
-        ``prompt_token_ids``, ``finish_reason`` and ``num_cached_tokens`` (prompt tokens
-        served from the prefix cache). Every prompt is validated before any runs: prompts or
-        sampling params of the wrong kind raise ``TypeError``, a prompt that cannot be served
-        (not text or token ids, empty, too long) ``ValueError``.
+        Returns, in prompt order, one dict per prompt: ``prompt_token_ids``,
+        ``prompt_logprobs`` and ``num_cached_tokens`` (prompt tokens served from the prefix
+        cache); ``outputs``, its ``n`` completions (``SamplingParams.n``), each a dict with
+        ``text``, ``token_ids`` (generated tokens only), ``finish_reason``, ``logprobs`` and
+        ``cumulative_logprob``; and the first completion's fields again at the top level.
+        ``logprobs``: per generated token ``{token_id: Logprob(logprob, rank)}``, the sampled
+        token first, then the ``SamplingParams.logprobs`` most likely ones; ``prompt_logprobs``
+        likewise per prompt token, the first None; each None unless asked for. Every prompt
+        is validated before any runs: prompts or sampling params of the wrong kind raise
+        ``TypeError``, a prompt that cannot be served (not text or token ids, empty, too
+        long) ``ValueError``.
         """
         prompts = _prompt_list(prompts)
         sampling_params = _params_list(sampling_params, len(prompts))
         token_ids = [self.engine.tokenize(p) for p in prompts]
         for ids in token_ids:
             self.engine.validate(ids)
-        seqs = [self.engine.add_request(ids, params)
-                for ids, params in zip(token_ids, sampling_params)]
+        groups = [[self.engine.add_request(ids, choice) for choice in _choices(params)]
+                  for ids, params in zip(token_ids, sampling_params)]
+        seqs = [seq for group in groups for seq in group]
         try:
             self._run(seqs, use_tqdm)
         finally:
             for seq in seqs:  # an interrupted call leaves nothing behind
                 self.engine.abort(seq.request_id)
-        return [_result(seq) for seq in seqs]
+        return [_result(group) for group in groups]
 
     def _run(self, seqs: list[Sequence], use_tqdm: bool) -> None:
         start = time.perf_counter()
@@ -149,7 +157,24 @@ def _params_list(sampling_params, num_prompts: int) -> list[SamplingParams]:
     return list(sampling_params)
 
 
-def _result(seq: Sequence) -> dict:
-    return {"text": seq.output_text, "token_ids": seq.output_token_ids,
-            "prompt_token_ids": seq.token_ids[:seq.num_prompt_tokens],
-            "finish_reason": seq.finish_reason, "num_cached_tokens": seq.num_cached_tokens}
+def _choices(params: SamplingParams) -> list[SamplingParams]:
+    """The ``n`` engine requests of one prompt: choice i samples with ``seed + i`` (as the
+    server's choices do); only the first computes the prompt's log-probs."""
+    if params.n == 1:
+        return [params]
+    return [dataclasses.replace(params, n=1,
+                                seed=None if params.seed is None else params.seed + i,
+                                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+            for i in range(params.n)]
+
+
+def _result(group: list[Sequence]) -> dict:
+    """One prompt's result: its completions under ``outputs``, the first one's fields also
+    at the top level."""
+    outputs = [{"text": seq.output_text, "token_ids": seq.output_token_ids,
+                "finish_reason": seq.finish_reason, "logprobs": seq.logprobs,
+                "cumulative_logprob": seq.cumulative_logprob} for seq in group]
+    first = group[0]
+    return {**outputs[0], "prompt_token_ids": first.token_ids[:first.num_prompt_tokens],
+            "prompt_logprobs": first.prompt_logprobs,
+            "num_cached_tokens": first.num_cached_tokens, "outputs": outputs}

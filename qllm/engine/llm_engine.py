@@ -208,7 +208,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         launched = None
         if batch is not None:
-            launched = self.runner.launch(batch, previous=self._in_flight)
+            launched = self.runner.launch(batch, previous=self._in_flight,
+                                          eos_token_ids=self.eos_token_ids)
             for seq, n in zip(batch.seqs, batch.num_tokens):
                 seq.num_computed_tokens += n
             for seq in launched.seqs:
@@ -223,11 +224,19 @@ class LLMEngine:
         if step is None:
             return []
         advanced = []
-        for seq, token in zip(step.seqs, step.tokens()):
+        tokens = step.tokens()
+        for seq, first, entries in step.prompt_logprobs():
+            for j, entry in enumerate(entries, start=first):
+                if j + 1 == len(seq.prompt_logprobs):  # not collected yet (a recompute is)
+                    seq.prompt_logprobs.append(entry)
+        for seq, token, logprobs in zip(step.seqs, tokens, step.logprobs()):
             seq.num_pending_tokens -= 1
             if seq.is_finished:  # stopped or aborted while this step ran
                 continue
             seq.append_token(token)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs)
+                seq.cumulative_logprob += logprobs[token].logprob
             if seq.detokenizer is not None:
                 delta = seq.detokenizer.step(seq.output_token_ids)
                 seq.output_text, seq.last_text_delta_len = seq.detokenizer.text, len(delta)

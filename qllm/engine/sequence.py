@@ -46,6 +46,13 @@ class Sequence:
         self.num_preemptions = 0
         self.generator = None  # a torch.Generator when sampling_params.seed is set
         self.num_pending_tokens = 0  # sampled by a launched step, value not yet on the host
+        # log-probs, when asked for (SamplingParams.logprobs / prompt_logprobs): per generated
+        # token {token_id: Logprob}; per prompt token likewise, the first None
+        self.logprobs: list[dict] | None = None if sampling_params.logprobs is None else []
+        self.cumulative_logprob: float | None = \
+            None if sampling_params.logprobs is None else 0.0
+        self.prompt_logprobs: list[dict | None] | None = \
+            None if sampling_params.prompt_logprobs is None else [None]
         # a request with media: its encoder inputs and rotary positions (qllm.multimodal)
         self.multimodal = None
 

@@ -9,10 +9,13 @@ def check_stop(seq: Sequence, eos_token_ids: set[int], max_model_len: int) -> st
     """The finish reason ("stop" or "length") if ``seq`` must stop now, else None.
 
     Stop strings are checked against ``seq.output_text``; on a match the text is cut before the
-    stop string (as OpenAI does) and the sequence stops.
+    stop string (as OpenAI does) and the sequence stops. Before ``min_tokens`` tokens are
+    generated only the length limits apply (the sampler bans EOS and stop token ids then).
     """
     params = seq.sampling_params
     token = seq.token_ids[-1]
+    if seq.num_output_tokens < params.min_tokens:
+        return "length" if reaches_length_limit(seq, max_model_len) else None
     if not params.ignore_eos and token in eos_token_ids:
         return "stop"
     if token in params.stop_token_ids:

@@ -12,6 +12,8 @@ from qllm.cache.registry import CacheRegistry
 from qllm.config import EngineConfig
 from qllm.engine.scheduler import ScheduledBatch
 from qllm.engine.sequence import Sequence
+from qllm.layers.logprobs import prompt_token_logprobs, token_logprobs, tokens_only, unpack
+from qllm.layers.penalties import LogitsAdjustments, apply_penalties
 from qllm.layers.sampler import SamplingTensors, sample
 from qllm.model_api import CausalLM
 from qllm.multimodal import encoder_rows, rotary_positions
@@ -27,13 +29,22 @@ RECOMPILE_LIMIT = 64
 @dataclasses.dataclass
 class SampledStep:
     """A launched step's sampled tokens: on the device at once (the next step can take its
-    inputs from them), on the host once ``tokens()`` has waited for the copy."""
+    inputs from them), on the host once ``tokens()`` has waited for the copy. Log-probs, when
+    some sequence of the step asked for them, come in the same copy: ``host_tokens`` then
+    holds packed rows (``qllm.layers.logprobs``), the sampled tokens' and then those of the
+    prompt tokens of ``prompt_spans``."""
 
     batch: ScheduledBatch
     seqs: list[Sequence]          # the sequences that sampled, in token order
     device_tokens: torch.Tensor   # [N] int64
-    host_tokens: torch.Tensor     # [N] int64, pinned on CUDA, filled asynchronously
+    # [N] int64, or [N + M, 3 + 2K] packed with log-probs; pinned on CUDA, filled
+    # asynchronously
+    host_tokens: torch.Tensor
     copied: torch.cuda.Event | None
+    num_logprobs: int | None = None  # K of the packed rows; None: tokens only
+    # (sequence, first prompt position, count): the M prompt rows, in order; position j
+    # scores prompt token j + 1
+    prompt_spans: list[tuple[Sequence, int, int]] = dataclasses.field(default_factory=list)
     rows: dict[int, int] = dataclasses.field(init=False)  # seq_id -> row of device_tokens
 
     def __post_init__(self):
@@ -43,7 +54,27 @@ class SampledStep:
         """The sampled tokens as Python ints (waits for the step: the one host sync)."""
         if self.copied is not None:
             self.copied.synchronize()
-        return self.host_tokens.tolist()
+        if self.num_logprobs is None:
+            return self.host_tokens.tolist()
+        return self.host_tokens[:len(self.seqs), 0].tolist()
+
+    def logprobs(self) -> list[dict | None]:
+        """Per sampled sequence, ``{token: Logprob}`` of its token and its top
+        ``logprobs``, or None where it did not ask (call after ``tokens``)."""
+        if self.num_logprobs is None:
+            return [None] * len(self.seqs)
+        return unpack(self.host_tokens[:len(self.seqs)], self.num_logprobs,
+                      [seq.sampling_params.logprobs for seq in self.seqs])
+
+    def prompt_logprobs(self) -> list[tuple[Sequence, int, list[dict]]]:
+        """``(seq, first position, entries)`` per prompt span (call after ``tokens``)."""
+        out, start = [], len(self.seqs)
+        for seq, first, count in self.prompt_spans:
+            wanted = [seq.sampling_params.prompt_logprobs] * count
+            out.append((seq, first, unpack(self.host_tokens[start:start + count],
+                                           self.num_logprobs, wanted)))
+            start += count
+        return out
 
 
 class ModelRunner:
@@ -196,10 +227,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step_logits(self, scheduled: ScheduledBatch,
-                    previous: SampledStep | None = None) -> torch.Tensor:
+                    previous: SampledStep | None = None,
+                    prompt_logprobs: tuple[list[int], list[int], int] | None = None):
         """Queue the forward pass of one step: logits ``[N, V]`` of the sequences whose every
         position is then computed. Decode replays the CUDA graph of its batch-size bucket
-        where one exists; prefill runs the layers eagerly (see the class docstring)."""
+        where one exists; prefill runs the layers eagerly (see the class docstring).
+
+        With ``prompt_logprobs`` = (rows of the step's tokens, the prompt tokens they
+        predict, K) (prefill only), returns ``(logits, packed)``: also the packed log-probs
+        of those prompt tokens (``qllm.layers.logprobs``)."""
         bucket = self.graphs.bucket(len(scheduled)) \
             if self.graphs is not None and not scheduled.is_prefill else None
         if bucket is not None:
@@ -207,32 +243,105 @@ class ModelRunner:
                                                        fixed_layout=True, previous=previous)
             return self.graphs.replay(input_ids, positions, batch)[:len(scheduled)]
         input_ids, positions, batch = self.prepare(scheduled, previous=previous)
-        return self._forward_logits(input_ids, positions, batch)
+        if prompt_logprobs is None:
+            return self._forward_logits(input_ids, positions, batch)
+        rows, targets, k = prompt_logprobs
+        hidden = self.model(input_ids, positions, batch)  # [T, H]
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        staged = torch.tensor([rows, targets], dtype=torch.int64,
+                              pin_memory=self.device.type == "cuda").to(self.device,
+                                                                        non_blocking=True)
+        return logits, prompt_token_logprobs(self.model.compute_logits, hidden, staged[0],
+                                             staged[1], k)
+
+    def _prompt_logprob_rows(self, scheduled: ScheduledBatch):
+        """The prompt positions of a prefill step whose log-probs are asked for and not yet
+        collected: ``(spans, rows, targets)`` as for ``SampledStep.prompt_spans`` and
+        ``step_logits``."""
+        spans, rows, targets = [], [], []
+        offset = 0
+        for seq, n in zip(scheduled.seqs, scheduled.num_tokens):
+            computed = seq.num_computed_tokens
+            if scheduled.is_prefill and seq.prompt_logprobs is not None:
+                start = max(computed, len(seq.prompt_logprobs) - 1)
+                end = min(computed + n, seq.num_prompt_tokens - 1)
+                if start < end:
+                    spans.append((seq, start, end - start))
+                    rows += range(offset + start - computed, offset + end - computed)
+                    targets += seq.token_ids[start + 1:end + 1]
+            offset += n
+        return spans, rows, targets
+
+    def _adjustments(self, seqs: list[Sequence], previous: SampledStep | None,
+                     eos_token_ids: set[int]) -> LogitsAdjustments | None:
+        """Penalties and ``min_tokens`` bans of a step's sampled sequences; None when no row
+        uses them. A generated token still pending comes from ``previous``'s device
+        tokens."""
+        params = [seq.sampling_params for seq in seqs]
+        if not any(p.uses_penalties or p.min_tokens for p in params):
+            return None
+        prompts, outputs, num_outputs, pending_rows, sources = [], [], [], [], []
+        for row, (seq, p) in enumerate(zip(seqs, params)):
+            num_outputs.append(len(seq) - seq.num_prompt_tokens)
+            outputs.append(seq.output_token_ids if p.uses_penalties else [])
+            prompts.append(seq.token_ids[:seq.num_prompt_tokens]
+                           if p.repetition_penalty != 1 else [])
+            if p.uses_penalties and seq.num_pending_tokens:
+                assert seq.num_pending_tokens == 1 and previous is not None, seq
+                pending_rows.append(row)
+                sources.append(previous.rows[seq.seq_id])
+        pending = None
+        if pending_rows:
+            index = torch.tensor(sources, dtype=torch.int64).to(self.device, non_blocking=True)
+            pending = (pending_rows, previous.device_tokens[index])
+        return LogitsAdjustments.build(params, prompts, outputs, pending, num_outputs,
+                                       eos_token_ids, self.vocab_size, self.device)
 
     @torch.inference_mode()
-    def launch(self, scheduled: ScheduledBatch,
-               previous: SampledStep | None = None) -> SampledStep:
+    def launch(self, scheduled: ScheduledBatch, previous: SampledStep | None = None,
+               eos_token_ids: set[int] = frozenset()) -> SampledStep:
         """Queue one step on the device and return its sampled tokens without waiting for
         them. ``previous`` is the step launched before, whose tokens may still be pending.
         Tokens are sampled for the sequences whose every position is then computed (all of a
-        decode step; in prefill, those whose prompt is now fully computed)."""
-        logits = self.step_logits(scheduled, previous)
+        decode step; in prefill, those whose prompt is now fully computed). Penalties and
+        ``min_tokens`` (banning ``eos_token_ids``) apply where asked; log-probs, of the raw
+        logits, are computed where asked and come to the host with the tokens."""
         sampled_seqs = [seq for seq, n in zip(scheduled.seqs, scheduled.num_tokens)
                         if seq.num_computed_tokens + n == len(seq)]
+        wanted = [seq.sampling_params.logprobs for seq in sampled_seqs
+                  if seq.sampling_params.logprobs is not None]
+        spans, rows, targets = self._prompt_logprob_rows(scheduled)
+        width = max(wanted + [seq.sampling_params.prompt_logprobs for seq, _, _ in spans],
+                    default=None)
+        prompt_packed = None
+        if spans:
+            logits, prompt_packed = self.step_logits(scheduled, previous,
+                                                     (rows, targets, width))
+        else:
+            logits = self.step_logits(scheduled, previous)
         if sampled_seqs:
             settings = SamplingTensors.build([seq.sampling_params for seq in sampled_seqs],
                                              [seq.generator for seq in sampled_seqs],
                                              self.vocab_size, self.device)
-            device_tokens = sample(logits, settings)  # [N]
+            adjust = self._adjustments(sampled_seqs, previous, eos_token_ids)
+            device_tokens = sample(logits if adjust is None else apply_penalties(logits, adjust),
+                                   settings)  # [N]
         else:
             device_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        out = device_tokens
+        if width is not None:  # [N + M, 3 + 2 * width]
+            out = token_logprobs(logits, device_tokens, width) if wanted \
+                else tokens_only(device_tokens, width)
+            if prompt_packed is not None:
+                out = torch.cat([out, prompt_packed])
         if self.device.type != "cuda":
-            return SampledStep(scheduled, sampled_seqs, device_tokens, device_tokens, None)
-        host_tokens = torch.empty(device_tokens.shape, dtype=torch.int64, pin_memory=True)
-        host_tokens.copy_(device_tokens, non_blocking=True)
+            return SampledStep(scheduled, sampled_seqs, device_tokens, out, None, width, spans)
+        host_tokens = torch.empty(out.shape, dtype=torch.int64, pin_memory=True)
+        host_tokens.copy_(out, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return SampledStep(scheduled, sampled_seqs, device_tokens, host_tokens, copied)
+        return SampledStep(scheduled, sampled_seqs, device_tokens, host_tokens, copied, width,
+                           spans)
 
     # ----------------------------------------------------------------- compiled decode
     def _compile(self) -> None:
