@@ -236,3 +236,122 @@ def test_http_concurrency_benchmark_runs(server, capsys):  # noqa: F811
     assert [row["concurrency"] for row in rows] == [1, 4]
     assert all(row["output_tokens"] == 4 * 6 and row["ttft_ms"]["p50"] > 0 for row in rows)
     assert "TTFT p50" in err
+
+
+def token_texts(llm: LLM, token_ids: list[int]) -> list[str]:
+    return [llm.tokenizer.decode([t]) for t in token_ids]
+
+
+def legacy_logprobs(llm: LLM, token_ids: list[int], entries: list) -> dict:
+    """The legacy completions ``logprobs`` object expected for ``LLM.generate``'s tokens."""
+    texts = token_texts(llm, token_ids)
+    offsets = [sum(map(len, texts[:i])) for i in range(len(texts))]
+    tops = [None if entry is None else
+            {text: lp.logprob for text, lp in reversed([(llm.tokenizer.decode([t]), lp)
+                                                          for t, lp in entry.items()])}
+            for entry in entries]
+    return {"tokens": texts, "text_offset": offsets, "top_logprobs": tops,
+            "token_logprobs": [None if entry is None else entry[t].logprob
+                               for t, entry in zip(token_ids, entries)]}
+
+
+def assert_legacy_logprobs(got, want: dict) -> None:
+    got = got.model_dump() if hasattr(got, "model_dump") else got
+    assert got["tokens"] == want["tokens"] and got["text_offset"] == want["text_offset"]
+    assert [v is None for v in got["token_logprobs"]] == \
+        [v is None for v in want["token_logprobs"]]
+    assert [v for v in got["token_logprobs"] if v is not None] == pytest.approx(
+        [v for v in want["token_logprobs"] if v is not None], abs=1e-5)
+    for top, expected in zip(got["top_logprobs"], want["top_logprobs"]):
+        assert (top is None) == (expected is None)
+        if top is not None:
+            assert set(top) == set(expected)
+            assert top == pytest.approx(expected, abs=1e-5)
+
+
+def merged_legacy(chunks) -> dict:
+    """The legacy ``logprobs`` of a streamed choice, its chunks' concatenated."""
+    merged = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                for key in merged:
+                    merged[key] += getattr(choice.logprobs, key)
+    return merged
+
+
+@pytest.mark.parametrize("echo", [False, True], ids=["plain", "echo"])
+def test_completion_logprobs_through_the_openai_client(server, client, llm, echo):  # noqa: F811
+    """logprobs=3 (and echo: the prompt's text and log-probs first), whole and streamed,
+    as LLM.generate scores the same tokens."""
+    prompt = PROMPTS[1]
+    want = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, logprobs=3,
+                                               prompt_logprobs=3 if echo else None),
+                        use_tqdm=False)[0]
+    token_ids, entries = want["token_ids"], want["logprobs"]
+    if echo:
+        token_ids = want["prompt_token_ids"] + token_ids
+        entries = want["prompt_logprobs"] + entries
+    expected = legacy_logprobs(llm, token_ids, entries)
+    args = {"model": server.model, "prompt": prompt, "max_tokens": 10, "temperature": 0,
+            "logprobs": 3, "echo": echo}
+    whole = client.completions.create(**args).choices[0]
+    assert whole.text == (prompt if echo else "") + want["text"]
+    assert_legacy_logprobs(whole.logprobs, expected)
+    assert all(len(top) in (3, 4) for top in whole.logprobs.top_logprobs if top is not None)
+    chunks = list(client.completions.create(**args, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    assert_legacy_logprobs(merged_legacy(chunks), expected)
+    plain = client.completions.create(**{**args, "logprobs": None}).choices[0]
+    assert plain.logprobs is None and plain.text == whole.text
+
+
+def test_chat_logprobs_through_the_openai_client(server, client, llm):  # noqa: F811
+    conversation = [{"role": "user", "content": "What is 2 + 2?"}]
+    want = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=12, logprobs=2),
+                    use_tqdm=False)[0]
+    args = {"model": server.model, "messages": conversation, "max_tokens": 12,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    whole = client.chat.completions.create(**args).choices[0]
+    content = whole.logprobs.content
+    assert whole.message.content == want["text"]
+    assert [c.token for c in content] == token_texts(llm, want["token_ids"])
+    assert [c.logprob for c in content] == pytest.approx(
+        [e[t].logprob for t, e in zip(want["token_ids"], want["logprobs"])], abs=1e-5)
+    for c, token, entry in zip(content, want["token_ids"], want["logprobs"]):
+        ranked = sorted(entry.items(), key=lambda item: item[1].rank)[:2]
+        assert [t.token for t in c.top_logprobs] == token_texts(llm, [t for t, _ in ranked])
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx(
+            [lp.logprob for _, lp in ranked], abs=1e-5)
+        assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+    # the bytes of the tokens make up the text, multi-byte characters included
+    assert b"".join(bytes(c.bytes) for c in content).decode() == whole.message.content
+    streamed = []
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                streamed += choice.logprobs.content
+    assert [c.model_dump() for c in streamed] == [c.model_dump() for c in content]
+    bare = client.chat.completions.create(**{**args, "top_logprobs": None}).choices[0]
+    assert all(c.top_logprobs == [] for c in bare.logprobs.content)
+    assert client.chat.completions.create(**{**args, "logprobs": False,
+                                             "top_logprobs": None}).choices[0].logprobs is None
+
+
+def test_penalties_and_seeded_choices_match_llm_generate(server, client, llm):  # noqa: F811
+    penalties = {"presence_penalty": 1.0, "frequency_penalty": 0.5}
+    extra = {"repetition_penalty": 1.3, "min_tokens": 6}
+    want = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=16, **penalties,
+                                                   **extra), use_tqdm=False)[0]
+    got = client.completions.create(model=server.model, prompt=PROMPTS[2], max_tokens=16,
+                                    temperature=0, **penalties, extra_body=extra)
+    assert got.choices[0].text == want["text"]
+    seeded = SamplingParams(temperature=1.0, max_tokens=8, seed=5, n=3, logprobs=1)
+    want = llm.generate(PROMPTS[3], seeded, use_tqdm=False)[0]["outputs"]
+    got = client.completions.create(model=server.model, prompt=PROMPTS[3], max_tokens=8,
+                                    temperature=1.0, seed=5, n=3, logprobs=1)
+    for choice in got.choices:
+        assert choice.text == want[choice.index]["text"]
+        assert choice.logprobs.token_logprobs == pytest.approx(
+            [e[t].logprob for t, e in zip(want[choice.index]["token_ids"],
+                                          want[choice.index]["logprobs"])], abs=1e-5)

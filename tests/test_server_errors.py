@@ -63,13 +63,33 @@ BAD_REQUESTS = {
     "top_p 0": ("completions", {"model": M, "prompt": "hi", "top_p": 0}, 422, "top_p"),
     "top_p > 1": ("completions", {"model": M, "prompt": "hi", "top_p": 1.5}, 422, "top_p"),
     "top_k -2": ("completions", {"model": M, "prompt": "hi", "top_k": -2}, 422, "top_k"),
-    "top_k 0": ("completions", {"model": M, "prompt": "hi", "top_k": 0}, 400, None),
+    "top_k 0": ("completions", {"model": M, "prompt": "hi", "top_k": 0}, 400, "top_k"),
     "n 0": ("completions", {"model": M, "prompt": "hi", "n": 0}, 422, "n"),
     "n 129": ("completions", {"model": M, "prompt": "hi", "n": 129}, 422, "n"),
     "negative seed": ("completions", {"model": M, "prompt": "hi", "seed": -1}, 422, "seed"),
     "huge seed": ("completions", {"model": M, "prompt": "hi", "seed": 2**64}, 422, "seed"),
     "empty stop string": ("completions", {"model": M, "prompt": "hi", "stop": [""]}, 400,
-                          None),
+                          "stop"),
+    "logprobs 21": ("completions", {"model": M, "prompt": "hi", "logprobs": 21}, 400,
+                    "logprobs"),
+    "logprobs -1": ("completions", {"model": M, "prompt": "hi", "logprobs": -1}, 400,
+                    "logprobs"),
+    "logprobs a bool": ("completions", {"model": M, "prompt": "hi", "logprobs": True}, 422,
+                        "logprobs"),
+    "echo a string": ("completions", {"model": M, "prompt": "hi", "echo": "yes"}, 422, "echo"),
+    "presence_penalty 2.5": ("completions", {"model": M, "prompt": "hi",
+                                             "presence_penalty": 2.5}, 400, "presence_penalty"),
+    "frequency_penalty -3": ("completions", {"model": M, "prompt": "hi",
+                                             "frequency_penalty": -3}, 400,
+                             "frequency_penalty"),
+    "repetition_penalty 0": ("completions", {"model": M, "prompt": "hi",
+                                             "repetition_penalty": 0}, 400,
+                             "repetition_penalty"),
+    "min_tokens -1": ("completions", {"model": M, "prompt": "hi", "min_tokens": -1}, 400,
+                      "min_tokens"),
+    "min_tokens above max_tokens": ("completions", {"model": M, "prompt": "hi",
+                                                    "max_tokens": 4, "min_tokens": 5}, 400,
+                                    "min_tokens"),
     "NaN temperature": ("completions", NAN_TEMPERATURE, 422, "temperature"),
     "chat: missing messages": ("chat/completions", {"model": M}, 422, "messages"),
     "chat: no messages": ("chat/completions", {"model": M, "messages": []}, 422, "messages"),
@@ -91,15 +111,23 @@ BAD_REQUESTS = {
         {"role": "user"}]}, 422, "messages.0.content"),
     "chat: null content": ("chat/completions", {"model": M, "messages": [
         {"role": "user", "content": None}]}, 422, "messages.0.content"),
+    "chat: top_logprobs 21": ("chat/completions", {"model": M, "messages": USER,
+                                                   "logprobs": True, "top_logprobs": 21}, 400,
+                              "top_logprobs"),
+    "chat: top_logprobs without logprobs": ("chat/completions", {
+        "model": M, "messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
+    "chat: logprobs an int": ("chat/completions", {"model": M, "messages": USER,
+                                                   "logprobs": 5}, 422, "logprobs"),
+    "chat: presence_penalty 3": ("chat/completions", {"model": M, "messages": USER,
+                                                      "presence_penalty": 3}, 400,
+                                 "presence_penalty"),
 }
 # Fields of OpenAI's schemas (and vLLM's) the server does not implement: a 400 naming the
 # field, not a 200 that ignored it (field: (endpoint, a value that is not neutral)).
 UNSUPPORTED = {
-    "logprobs": ("completions", 1), "echo": ("completions", True),
+    "echo": ("chat/completions", True), "top_logprobs": ("completions", 2),
     "best_of": ("completions", 2), "suffix": ("completions", "!"),
-    "presence_penalty": ("completions", 0.5), "frequency_penalty": ("chat/completions", 1.0),
-    "repetition_penalty": ("completions", 1.2), "logit_bias": ("completions", {"11": 5}),
-    "min_p": ("completions", 0.1), "top_logprobs": ("chat/completions", 2),
+    "logit_bias": ("completions", {"11": 5}), "min_p": ("completions", 0.1),
     "tools": ("chat/completions", [{"type": "function", "function": {"name": "f"}}]),
     "tool_choice": ("chat/completions", "required"),
     "response_format": ("chat/completions", {"type": "json_object"}),
@@ -173,7 +201,8 @@ def test_unsupported_fields_at_their_neutral_values_are_accepted(server):  # noq
             "temperature": 0}
     neutral = {"logprobs": None, "echo": False, "best_of": 1, "suffix": None,
                "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
-               "repetition_penalty": 1, "user": "someone"}
+               "repetition_penalty": 1, "min_tokens": 0, "top_logprobs": 0,
+               "user": "someone"}
     texts = []
     for extra in ({}, neutral):
         response = httpx.post(f"{server.base_url}/v1/completions", json={**body, **extra},
@@ -182,17 +211,20 @@ def test_unsupported_fields_at_their_neutral_values_are_accepted(server):  # noq
         texts.append(response.json()["choices"][0]["text"])
     assert texts[0] == texts[1]
     chat = {"model": M, "messages": USER, "max_tokens": 4, "tools": [], "tool_choice": "none",
-            "response_format": {"type": "text"}, "logprobs": False, "top_logprobs": 0}
+            "response_format": {"type": "text"}, "logprobs": False, "top_logprobs": 0,
+            "echo": False}
     response = httpx.post(f"{server.base_url}/v1/chat/completions", json=chat, timeout=30)
     assert response.status_code == 200, response.text
 
 
 def test_openai_client_gets_bad_request_for_unsupported_fields(server):  # noqa: F811
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="presence_penalty is not supported"):
-        client.completions.create(model=M, prompt="hi", presence_penalty=1.0)
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        client.chat.completions.create(model=M, messages=USER, logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="best_of is not supported"):
+        client.completions.create(model=M, prompt="hi", best_of=2)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.chat.completions.create(model=M, messages=USER, logit_bias={"11": 5})
+    with pytest.raises(openai.BadRequestError, match="top_logprobs must be"):
+        client.chat.completions.create(model=M, messages=USER, logprobs=True, top_logprobs=21)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

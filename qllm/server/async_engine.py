@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from qllm.config import SamplingParams
 from qllm.engine.llm_engine import LLMEngine
@@ -38,6 +38,11 @@ class RequestOutput:
     text: str  # new text since this choice's previous output
     num_output_tokens: int  # generated so far
     finish_reason: str | None  # "stop", "length" or "abort" once finished
+    token_ids: list[int] = field(default_factory=list)  # new tokens since the previous output
+    # their {token_id: Logprob} when the request asked for log-probs, else None
+    logprobs: list[dict] | None = None
+    # the prompt's log-probs (first None), in the choice's first output, when asked for
+    prompt_logprobs: list[dict | None] | None = None
 
 
 class RequestGroup:
@@ -85,6 +90,7 @@ class _Tracked:
     index: int
     holdback: int  # characters held back while a stop string could still match
     sent: int = 0  # characters of output text already delivered
+    tokens_sent: int = 0  # generated tokens already delivered
     last_token_time: float | None = None
 
 
@@ -240,9 +246,16 @@ class AsyncEngine:
                                                         len(text) - tracked.holdback)
             delta = text[tracked.sent:end]
             tracked.sent = end
+            first = seq.num_prompt_tokens + tracked.tokens_sent
+            new_tokens = seq.token_ids[first:]
+            logprobs = None if seq.logprobs is None else seq.logprobs[tracked.tokens_sent:]
+            prompt_logprobs = list(seq.prompt_logprobs) \
+                if seq.prompt_logprobs is not None and tracked.tokens_sent == 0 else None
+            tracked.tokens_sent += len(new_tokens)
             outputs.append((tracked.group, RequestOutput(tracked.index, delta,
                                                          seq.num_output_tokens,
-                                                         seq.finish_reason)))
+                                                         seq.finish_reason, new_tokens,
+                                                         logprobs, prompt_logprobs)))
             if seq.is_finished:
                 del self._tracked[seq.request_id]
                 self.metrics.request_finished(seq.finish_reason)

@@ -6,8 +6,10 @@ Status codes (each with an OpenAI error body, see ``api_server``):
   server does not implement (``protocol.NEUTRAL_VALUES``) sent with a value other than its
   neutral one, or a field no schema has; a prompt that is empty or has no room to generate
   within ``max_model_len``, ``max_tokens`` beyond what is left of ``max_model_len``, token
-  ids outside the vocabulary, ``top_k`` = 0, an empty stop string, a conversation the chat
-  template rejects.
+  ids outside the vocabulary, ``top_k`` = 0, an empty stop string, ``logprobs`` /
+  ``top_logprobs`` outside [0, 20] (``top_logprobs`` without ``logprobs: true``), a
+  presence or frequency penalty outside [-2, 2], ``repetition_penalty`` <= 0,
+  ``min_tokens`` outside [0, max_tokens], a conversation the chat template rejects.
 - 404: a ``model`` other than the served one.
 - 422: the body does not match the schema (missing field, wrong type, value out of range).
 - 503: the server is shutting down.
@@ -20,6 +22,7 @@ import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from jinja2 import TemplateError
 from starlette.requests import Request
@@ -34,7 +37,9 @@ from qllm.server.async_engine import (
     RequestGroup,
     RequestOutput,
 )
+from qllm.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from qllm.server.protocol import (
+    MAX_LOGPROBS,
     NEUTRAL_VALUES,
     AssistantMessage,
     ChatChoice,
@@ -43,6 +48,7 @@ from qllm.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -82,6 +88,8 @@ class OpenAIServing:
         # The front end's own tokenizer: the engine thread decodes with the engine's
         # tokenizer at the same time, and a tokenizer is not safe to share across threads.
         self.tokenizer = load_tokenizer(engine.engine.config.model)
+        self.token_strings = TokenStrings(self.tokenizer) if self.tokenizer is not None \
+            else None
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
@@ -96,7 +104,12 @@ class OpenAIServing:
         prompts = [self._encode(p, "prompt") for p in prompt]
         max_tokens = [self._max_tokens(request.max_tokens, ids, DEFAULT_COMPLETION_MAX_TOKENS)
                       for ids in prompts]
-        return await self._generate(request, prompts, max_tokens, raw, chat=False)
+        echoed = None
+        if request.echo:  # the prompt as sent; token ids as their text
+            echoed = [p if isinstance(p, str) else self._decode(ids)
+                      for p, ids in zip(prompt, prompts)]
+        return await self._generate(request, prompts, max_tokens, raw, chat=False,
+                                    echoed=echoed)
 
     async def chat(self, request: ChatCompletionRequest, raw: Request):
         self._check_request(request)
@@ -117,7 +130,8 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ validation
     def _check_request(self, request) -> None:
-        """404 for another model; 400 for the first field sent that is not implemented."""
+        """404 for another model; 400 for the first field sent that is not implemented, or
+        for log-probs asked beyond ``MAX_LOGPROBS``."""
         if request.model != self.model_name:
             raise APIError(404, f"the model {request.model!r} does not exist; this server "
                                 f"serves {self.model_name!r}", param="model",
@@ -128,6 +142,19 @@ class OpenAIServing:
                 if name in NEUTRAL_VALUES else ""
             raise APIError(400, f"{path} is not supported by this server; leave it out"
                                 f"{neutral}", param=path)
+        name = "top_logprobs" if isinstance(request, ChatCompletionRequest) else "logprobs"
+        value = getattr(request, name)
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise APIError(400, f"{name} must be an integer in [0, {MAX_LOGPROBS}], "
+                                f"got {value}", param=name)
+        if name == "top_logprobs" and value and not request.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if request.num_logprobs is not None and self.tokenizer is None:
+            raise APIError(400, f"model {self.model_name!r} has no tokenizer to name the "
+                                f"tokens of log-probs", param=name)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
 
     def _encode(self, prompt: str | list[int], param: str) -> list[int]:
         """Token ids of one prompt, checked to fit ``max_model_len`` with room to generate.
@@ -160,20 +187,35 @@ class OpenAIServing:
 
     @staticmethod
     def _sampling_params(request, max_tokens: int, choice: int) -> SamplingParams:
+        """A 400 for a value out of range names the field (``SamplingParams``' messages
+        start with it)."""
+        def given(name, default):
+            value = getattr(request, name)
+            return default if value is None else value
+
         try:
             return SamplingParams(
-                temperature=1.0 if request.temperature is None else request.temperature,
-                top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=-1 if request.top_k is None else request.top_k,
-                max_tokens=max_tokens,
+                temperature=given("temperature", 1.0), top_p=given("top_p", 1.0),
+                top_k=given("top_k", -1), max_tokens=max_tokens,
                 seed=None if request.seed is None else request.seed + choice,
-                ignore_eos=request.ignore_eos, stop=request.stop or [])
+                ignore_eos=request.ignore_eos, stop=request.stop or [],
+                presence_penalty=given("presence_penalty", 0.0),
+                frequency_penalty=given("frequency_penalty", 0.0),
+                repetition_penalty=given("repetition_penalty", 1.0),
+                min_tokens=given("min_tokens", 0), logprobs=request.num_logprobs,
+                prompt_logprobs=request.num_logprobs if getattr(request, "echo", False)
+                else None)
         except ValueError as exc:
-            raise APIError(400, str(exc)) from exc
+            name = str(exc).split(" ", 1)[0]
+            raise APIError(400, str(exc), param=name if name in type(request).model_fields
+                           else None) from exc
 
     # ------------------------------------------------------------------ generating
     async def _generate(self, request, prompts: list[list[int]], max_tokens: list[int],
-                        raw: Request, chat: bool):
+                        raw: Request, chat: bool, echoed: list[str] | None = None):
+        """Run ``request.n`` choices per prompt. ``echoed``: the prompts' texts, put before
+        each of their choices' texts (completions' ``echo``), with the prompt tokens'
+        log-probs when log-probs are asked for."""
         n = request.num_choices
         params = [self._sampling_params(request, limit, choice)
                   for limit in max_tokens for choice in range(n)]
@@ -187,32 +229,51 @@ class OpenAIServing:
             raise APIError(400, str(exc)) from exc
         prompt_tokens = sum(map(len, prompts))
         if request.stream:
-            return StreamingResponse(self._stream(group, request, prompt_tokens, len(params),
-                                                  chat),
+            return StreamingResponse(self._stream(group, request, prompts, echoed,
+                                                  prompt_tokens, len(params), chat),
                                      media_type="text/event-stream")
         try:
-            texts, reasons, counts = await _unless_disconnected(
-                raw, _collect(group, len(params)))
+            choices = await _unless_disconnected(raw, _collect(group, len(params)))
         finally:
             group.abort()
-        usage = _usage(prompt_tokens, counts)
+        usage = _usage(prompt_tokens, [choice.num_tokens for choice in choices])
+        k = request.num_logprobs
         if chat:
             return ChatCompletionResponse(
                 id=request_id, model=self.model_name, usage=usage,
-                choices=[ChatChoice(index=i, message=AssistantMessage(content=text),
-                                    finish_reason=reason)
-                         for i, (text, reason) in enumerate(zip(texts, reasons))])
-        return CompletionResponse(
-            id=request_id, model=self.model_name, usage=usage,
-            choices=[CompletionChoice(index=i, text=text, finish_reason=reason)
-                     for i, (text, reason) in enumerate(zip(texts, reasons))])
+                choices=[ChatChoice(index=i, message=AssistantMessage(content=c.text),
+                                    finish_reason=c.finish_reason,
+                                    logprobs=None if k is None else ChatLogprobs(
+                                        content=chat_logprobs(self.token_strings, c.token_ids,
+                                                              c.logprobs, k)))
+                         for i, c in enumerate(choices)])
+        completions = []
+        for i, c in enumerate(choices):
+            text, token_ids, entries = c.text, c.token_ids, c.logprobs
+            if echoed is not None:
+                prompt = prompts[i // n]
+                text = echoed[i // n] + text
+                token_ids = prompt + token_ids
+                entries = (c.prompt_logprobs or [None] * len(prompt)) + entries
+            logprobs = None if k is None else completion_logprobs(self.token_strings,
+                                                                  token_ids, entries)
+            completions.append(CompletionChoice(index=i, text=text, logprobs=logprobs,
+                                                finish_reason=c.finish_reason))
+        return CompletionResponse(id=request_id, model=self.model_name, usage=usage,
+                                  choices=completions)
 
-    async def _stream(self, group: RequestGroup, request, prompt_tokens: int,
-                      num_choices: int, chat: bool) -> AsyncIterator[str]:
+    async def _stream(self, group: RequestGroup, request, prompts: list[list[int]],
+                      echoed: list[str] | None, prompt_tokens: int, num_choices: int,
+                      chat: bool) -> AsyncIterator[str]:
         """Server-sent events: one chunk per choice per step with new text, the finish
-        reason on its last chunk, usage when asked, then ``[DONE]``. A client that goes away
+        reason on its last chunk, usage when asked, then ``[DONE]``. Log-probs go with the
+        chunk of their tokens, or the next chunk sent while text is held back; an echoed
+        prompt (text and log-probs) opens its choice's first chunk. A client that goes away
         cancels this generator, which aborts the requests."""
+        n, k = request.num_choices, request.num_logprobs
         counts = [0] * num_choices
+        states = [_StreamedChoice(prefix=echoed[i // n] if echoed is not None else "")
+                  for i in range(num_choices)]
         try:
             if chat:  # OpenAI opens each choice with the assistant role
                 for index in range(len(counts)):
@@ -221,17 +282,37 @@ class OpenAIServing:
             try:
                 async for out in _openai_outputs(group):
                     counts[out.index] = out.num_output_tokens
-                    if not out.text and out.finish_reason is None:
+                    state = states[out.index]
+                    if k is not None:
+                        if not state.started and echoed is not None:
+                            prompt = prompts[out.index // n]
+                            state.token_ids += prompt
+                            state.logprobs += out.prompt_logprobs or [None] * len(prompt)
+                        state.token_ids += out.token_ids
+                        state.logprobs += out.logprobs or []
+                    state.started = True
+                    text = state.prefix + out.text
+                    if not text and out.finish_reason is None:
                         continue  # text held back (a stop string may follow)
+                    state.prefix = ""
                     if chat:
-                        delta = ChatDelta(content=out.text or None)
-                        yield _event(self._chat_chunk(group, out.index, delta,
-                                                      out.finish_reason))
+                        logprobs = None if k is None else ChatLogprobs(content=chat_logprobs(
+                            self.token_strings, state.token_ids, state.logprobs, k))
+                        yield _event(self._chat_chunk(group, out.index,
+                                                      ChatDelta(content=text or None),
+                                                      out.finish_reason, logprobs))
                     else:
+                        logprobs = None
+                        if k is not None:
+                            logprobs = completion_logprobs(self.token_strings, state.token_ids,
+                                                           state.logprobs, state.offset)
+                            state.offset += sum(map(len, logprobs.tokens))
                         yield _event(CompletionResponse(
                             id=group.request_id, model=self.model_name,
-                            choices=[CompletionChoice(index=out.index, text=out.text,
+                            choices=[CompletionChoice(index=out.index, text=text,
+                                                      logprobs=logprobs,
                                                       finish_reason=out.finish_reason)]))
+                    state.token_ids, state.logprobs = [], []
                 if request.include_usage:
                     chunk_type = ChatCompletionChunk if chat else CompletionResponse
                     yield _event(chunk_type(id=group.request_id, model=self.model_name,
@@ -243,9 +324,23 @@ class OpenAIServing:
             group.abort()
 
     def _chat_chunk(self, group: RequestGroup, index: int, delta: ChatDelta,
-                    finish_reason: str | None = None) -> ChatCompletionChunk:
+                    finish_reason: str | None = None,
+                    logprobs: ChatLogprobs | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=group.request_id, model=self.model_name, choices=[
-            ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)])
+            ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
+                            finish_reason=finish_reason)])
+
+
+@dataclass
+class _StreamedChoice:
+    """A streamed choice's state: text not yet sent (an echoed prompt), and the tokens and
+    log-probs not yet sent."""
+
+    prefix: str = ""
+    started: bool = False
+    offset: int = 0  # text_offset of the next token (completions)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict | None] = field(default_factory=list)
 
 
 def _event(model) -> str:
@@ -264,14 +359,31 @@ async def _openai_outputs(group: RequestGroup) -> AsyncIterator[RequestOutput]:
         yield dataclasses.replace(out, finish_reason=OPENAI_FINISH_REASONS[out.finish_reason])
 
 
-async def _collect(group: RequestGroup, num_choices: int):
-    """Every choice's whole text, finish reason and token count."""
-    texts, reasons, counts = [""] * num_choices, [None] * num_choices, [0] * num_choices
+@dataclass
+class _Choice:
+    """A whole choice, as collected from its outputs."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)  # empty unless asked for
+    prompt_logprobs: list[dict | None] | None = None
+
+
+async def _collect(group: RequestGroup, num_choices: int) -> list[_Choice]:
+    """Every choice's whole text, finish reason, token count, tokens and log-probs."""
+    choices = [_Choice() for _ in range(num_choices)]
     async for out in _openai_outputs(group):
-        texts[out.index] += out.text
-        reasons[out.index] = out.finish_reason
-        counts[out.index] = out.num_output_tokens
-    return texts, reasons, counts
+        choice = choices[out.index]
+        choice.text += out.text
+        choice.finish_reason = out.finish_reason
+        choice.num_tokens = out.num_output_tokens
+        choice.token_ids += out.token_ids
+        choice.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = out.prompt_logprobs
+    return choices
 
 
 async def _unless_disconnected(raw: Request, work):

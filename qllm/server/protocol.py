@@ -2,7 +2,7 @@
 
 Requests are validated strictly: a value of the wrong JSON type (``"max_tokens": "5"``) or
 outside the documented range is rejected with 422 before it reaches the engine. A field this
-server does not implement (``logprobs``, ``presence_penalty``, ``tools``...) is kept in
+server does not implement (``best_of``, ``logit_bias``, ``tools``...) is kept in
 ``model_extra`` and, unless sent with its neutral value, rejected with 400 by
 ``unsupported_fields``, as OpenAI rejects unrecognized arguments: a silent 200 would be an
 answer to a different question.
@@ -19,14 +19,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from qllm.engine.llm import CHAT_ROLES
 
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20  # OpenAI's limit of top_logprobs (and vLLM's default max_logprobs)
 
 # Fields of OpenAI's completions and chat-completions schemas (and vLLM's extensions) that this
-# server does not implement, with the value that leaves each off. A request may send that
+# server does not implement (echo and top_logprobs: in chat / completions, which lack them),
+# with the value that leaves each off. A request may send that
 # value or null; any other value gets a 400 until the field is implemented.
 NEUTRAL_VALUES = {
-    "best_of": 1, "echo": False, "suffix": "", "logprobs": False, "top_logprobs": 0,
-    "frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "logit_bias": {},
-    "min_p": 0, "min_tokens": 0, "tools": [], "tool_choice": "none", "functions": [],
+    "best_of": 1, "echo": False, "suffix": "", "top_logprobs": 0, "logit_bias": {},
+    "min_p": 0, "tools": [], "tool_choice": "none", "functions": [],
     "function_call": "none", "parallel_tool_calls": True, "tool_calls": [],
     "response_format": {"type": "text"}, "modalities": ["text"], "store": False,
 }
@@ -79,12 +80,23 @@ class _SamplingRequest(_Request):
                              description="choice i of a request samples with seed + i")
     stop: str | list[str] | None = None
     ignore_eos: bool = False
+    # ranges checked by the server (400 naming the field): penalties in [-2, 2],
+    # repetition_penalty > 0, 0 <= min_tokens <= max_tokens
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = Field(None, description="vLLM's; 1 is off")
+    min_tokens: int | None = Field(None, description="vLLM's; EOS and stop strings wait")
     stream: bool = False
     stream_options: StreamOptions | None = None
 
     @property
     def num_choices(self) -> int:
         return self.n if self.n is not None else 1
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top log-probs per generated token, or None when none are asked for."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -95,6 +107,12 @@ class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``: one prompt or a batch of prompts (text or token ids)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, description=f"0 to {MAX_LOGPROBS} top log-probs")
+    echo: bool = False
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextContentPart(_Request):
@@ -117,6 +135,12 @@ class ChatCompletionRequest(_SamplingRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="alias of max_tokens")
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, description=f"0 to {MAX_LOGPROBS}; needs logprobs")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # ------------------------------------------------------------------------------ responses
@@ -133,10 +157,20 @@ def _now() -> int:
     return int(time.time())
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions format: per token its text, log-prob (None for an echoed
+    prompt's first token), top log-probs by token text, and offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -149,6 +183,20 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -157,7 +205,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -178,7 +226,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
