@@ -96,9 +96,14 @@ class BlockManager:
     def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more computed tokens; False (and no change) if the
         pool lacks the blocks."""
-        table = self.tables.setdefault(seq.seq_id, [])
-        missing = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(table)
-        if missing > self.num_free_blocks:
+        table = self.tables.get(seq.seq_id)
+        if table is None:  # reserved for without admission (tests, benchmarks)
+            table = self.tables[seq.seq_id] = []
+        # blocks_needed inlined: this runs for every sequence of every step
+        missing = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
+        if missing <= 0:  # most decode steps: the last block has room
+            return True
+        if missing > len(self.free):
             return False
         for _ in range(missing):
             block = self._take_free()
@@ -140,7 +145,7 @@ class BlockManager:
 
     def release(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; blocks nobody holds go back to the free pool."""
-        for block_id in reversed(self.tables.pop(seq.seq_id, [])):
+        for block_id in reversed(self.tables.pop(seq.seq_id, ())):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} released twice"
