@@ -235,3 +235,63 @@ def content_hash(*arrays) -> str:
         digest.update(str((tensor.dtype, tuple(tensor.shape))).encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------- chat content
+
+def content_media(part: dict, where: str) -> tuple[str, Any]:
+    """``(modality, item)`` of a media content part: ``{"type": "image", "image": x}``,
+    ``{"type": "image_url", "image_url": {"url": x}}`` (a data URL), ``{"type": "audio",
+    "audio": x}`` or OpenAI's ``{"type": "input_audio", "input_audio": {"data": base64,
+    "format": "wav"}}``. Raises ``MediaError`` naming ``where`` for anything else."""
+    kind = part.get("type")
+    if kind in ("image", "image_url"):
+        value = part.get(kind)
+        if kind == "image_url" and isinstance(value, dict):
+            value = value.get("url")
+        modality = "image"
+    elif kind in ("audio", "input_audio"):
+        value = part.get(kind)
+        if kind == "input_audio" and isinstance(value, dict):
+            if value.get("format", "wav") != "wav":
+                raise MediaError(f"{where}.input_audio.format must be 'wav', got "
+                                 f"{value.get('format')!r}")
+            value = value.get("data")
+        modality = "audio"
+    else:
+        raise MediaError(f"{where}.type must be 'text', 'image', 'image_url', 'audio' or "
+                         f"'input_audio', got {kind!r}")
+    if value is None:
+        raise MediaError(f"{where} has no {kind} data")
+    return modality, value
+
+
+def flatten_content(conversation: list, placeholders: dict[str, str]
+                    ) -> tuple[list, dict[str, list]]:
+    """A conversation whose messages' ``content`` may be a list of parts (text, images,
+    audio) -> the same messages with string content, each media part replaced by its
+    model's placeholder text (``placeholders``: modality -> text), and the media in order
+    (modality -> items). Other messages pass through unchanged."""
+    messages, media = [], {}
+    for i, message in enumerate(conversation if isinstance(conversation, list) else []):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            messages.append(message)
+            continue
+        text = []
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            if not isinstance(part, dict):
+                raise MediaError(f"{where} must be a dict with a 'type', got {part!r}")
+            if part.get("type") == "text":
+                if not isinstance(part.get("text"), str):
+                    raise MediaError(f"{where}.text must be a string")
+                text.append(part["text"])
+                continue
+            modality, item = content_media(part, where)
+            if modality not in placeholders:
+                raise MediaError(f"{where}: this model takes no {modality} inputs")
+            text.append(placeholders[modality])
+            media.setdefault(modality, []).append(item)
+        messages.append({**message, "content": "".join(text)})
+    return (messages if isinstance(conversation, list) else conversation), media

@@ -48,7 +48,7 @@ def test_bad_prompts(llm, baseline, prompts, message):
 
 
 @pytest.mark.parametrize("prompts, message", [
-    pytest.param({"prompt": "Hello"}, "pass the text itself", id="prompt-dict"),
+    pytest.param({"text": "Hello"}, "a prompt dict takes", id="prompt-dict-without-prompt"),
     pytest.param(None, "prompts must be", id="None"),
     pytest.param(5, "prompts must be", id="an-int"),
 ])
@@ -230,7 +230,7 @@ def test_unknown_architecture_lists_installed_plugins(qwen3_dir, tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnknownArchitectureError, match="MysteryForCausalLM") as info:
         LLM(str(tmp_path / "m"))
-    assert "qllm-qwen3: Qwen3ForCausalLM" in str(info.value)
+    assert "qllm-qwen3: Qwen3ASRForConditionalGeneration, Qwen3ForCausalLM" in str(info.value)
     assert "pip install -e plugins/qwen3" in str(info.value)  # not a PyPI name
 
 

@@ -237,3 +237,39 @@ def test_bad_media_get_clear_errors(checkpoint, llm, tmp_path):
         small.engine.add_request("x " + IMAGE, GREEDY,
                                  media={"image": [testing.random_image(256, 256)]})
     assert not engine.has_unfinished() and not small.engine.has_unfinished()
+
+
+# ----------------------------------------------------------------------------- the API
+
+def test_generate_and_chat_take_images(checkpoint, cases, tmp_path):
+    """``llm.generate`` with ``multi_modal_data`` and ``llm.chat`` with image content parts
+    (a PIL image, a path, a data URL) give transformers' tokens."""
+    import base64
+    import io
+
+    path, _ = checkpoint
+    llm = LLM(path, **ENGINE)
+    (text, images, _, expected), (text2, images2, _, expected2) = cases[0], cases[1]
+    out = llm.generate([{"prompt": text, "multi_modal_data": {"image": images[0]}},
+                        {"prompt": text2, "multi_modal_data": {"image": images2}},
+                        cases[2][0]], GREEDY, use_tqdm=False)
+    assert [o["token_ids"] for o in out] == [expected, expected2, cases[2][3]]
+
+    file = tmp_path / "first.png"
+    images2[0].save(file)
+    buffer = io.BytesIO()
+    images2[1].save(buffer, format="PNG")
+    data_url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    before, middle, after = text2.split(IMAGE)
+    chat = [{"role": "user", "content": [
+        {"type": "text", "text": before}, {"type": "image", "image": str(file)},
+        {"type": "text", "text": middle}, {"type": "image_url", "image_url": {"url": data_url}},
+        {"type": "text", "text": after}]}]
+    [reply] = llm.chat(chat, GREEDY, use_tqdm=False)
+    flat = [{"role": "user", "content": text2}]
+    ids = llm.tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True)
+    expected_prompt, _ = llm.engine.process_prompt(ids, {"image": images2})
+    assert reply["prompt_token_ids"] == expected_prompt
+    with pytest.raises(MediaError, match="takes no audio inputs"):
+        llm.chat([{"role": "user", "content": [{"type": "audio", "audio": "x.wav"}]}])
+    assert_cache_free(llm)

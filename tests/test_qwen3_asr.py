@@ -138,3 +138,38 @@ def test_bad_audio_gets_clear_errors(checkpoint, llm, tmp_path):
         with pytest.raises(MediaError, match=re.escape(message)):
             engine.add_request(prompt, GREEDY, media=media)
     assert not engine.has_unfinished()
+
+
+def test_chat_takes_audio_parts(checkpoint, llm, tmp_path):
+    """``llm.chat`` with an ``input_audio`` part (base64 WAV) and an ``audio`` part (a WAV
+    path), and ``llm.generate`` with ``(array, rate)``: transformers' transcript tokens."""
+    import base64
+    import wave
+
+    _, model, processor = checkpoint
+    file = tmp_path / "clip.wav"
+    with wave.open(str(file), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(RATE)
+        f.writeframes((CLIPS[0] * 32767).astype("<i2").tobytes())
+    samples = (CLIPS[0] * 32767).astype("<i2").astype(np.float32) / 32768
+    inputs = processor.apply_transcription_request(samples)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    expected = out[0, inputs["input_ids"].shape[1]:].tolist()
+    data = base64.b64encode(file.read_bytes()).decode()
+    replies = llm.chat([
+        [{"role": "user", "content": [{"type": "input_audio",
+                                       "input_audio": {"data": data, "format": "wav"}}]}],
+        [{"role": "user", "content": [{"type": "audio", "audio": str(file)}]}]],
+        GREEDY, use_tqdm=False)
+    assert [r["prompt_token_ids"] for r in replies] == [inputs["input_ids"][0].tolist()] * 2
+    assert [r["token_ids"] for r in replies] == [expected, expected]
+    prompt = processor.apply_transcription_request(samples, tokenize=False)[0]
+    [result] = llm.generate({"prompt": prompt, "multi_modal_data": {"audio": (samples, RATE)}},
+                            GREEDY, use_tqdm=False)
+    assert result["token_ids"] == expected
+    assert os.path.exists(file)
+    assert_cache_free(llm)

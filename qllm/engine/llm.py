@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from qllm.config import EngineConfig, SamplingParams
 from qllm.engine.llm_engine import LLMEngine
 from qllm.engine.sequence import Sequence
+from qllm.multimodal import flatten_content
 from qllm.plugins import PluginRegistry
 
 
@@ -38,6 +39,11 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None
                  = None, use_tqdm: bool = True) -> list[dict]:
         """Generate for each prompt (a string or a list of token ids): one prompt or a list.
+        A prompt with media is a dict ``{"prompt": text or ids, "multi_modal_data":
+        {"image": item or [items], "audio": ...}}``, the prompt holding the model's
+        placeholder per item (``llm.engine.input_processor.placeholders``); images are PIL
+        images, paths, bytes or base64 / data URLs, audio ``(array, sampling_rate)`` or a WAV
+        path, bytes or base64 (``qllm.multimodal``). Bad media raise ``MediaError``.
 
         ``sampling_params`` is one ``SamplingParams`` for all prompts or one per prompt.
         Returns, in prompt order, one dict per prompt: ``prompt_token_ids``,
@@ -54,11 +60,12 @@ class LLM:
         """
         prompts = _prompt_list(prompts)
         sampling_params = _params_list(sampling_params, len(prompts))
-        token_ids = [self.engine.tokenize(p) for p in prompts]
-        for ids in token_ids:
+        processed = [self.engine.process_prompt(*_prompt_media(p)) for p in prompts]
+        for ids, _ in processed:
             self.engine.validate(ids)
-        groups = [[self.engine.add_request(ids, choice) for choice in _choices(params)]
-                  for ids, params in zip(token_ids, sampling_params)]
+        groups = [[self.engine.add_request(ids, choice, multimodal=mm)
+                   for choice in _choices(params)]
+                  for (ids, mm), params in zip(processed, sampling_params)]
         seqs = [seq for group in groups for seq in group]
         try:
             self._run(seqs, use_tqdm)
@@ -85,7 +92,12 @@ class LLM:
     def chat(self, conversations, sampling_params=None, use_tqdm: bool = True) -> list[dict]:
         """Generate replies to chat conversations through the tokenizer's chat template: one
         conversation (a list of ``{"role", "content"}`` messages) or a list of them. Roles
-        are ``CHAT_ROLES``; "developer" (OpenAI's newer name for it) is sent as "system"."""
+        are ``CHAT_ROLES``; "developer" (OpenAI's newer name for it) is sent as "system".
+        A message's content may be a list of parts: ``{"type": "text", "text"}``, ``{"type":
+        "image", "image": x}`` / ``{"type": "image_url", "image_url": {"url": data URL}}``,
+        ``{"type": "audio", "audio": x}`` / ``{"type": "input_audio", "input_audio":
+        {"data": base64 WAV, "format": "wav"}}`` (forms as for ``generate``); each media part
+        is sent to the template as the model's placeholder text."""
         if self.tokenizer is None:
             raise ValueError(f"{self.engine.config.model} has no tokenizer for chat")
         if isinstance(conversations, list) and conversations \
@@ -94,9 +106,14 @@ class LLM:
         if not isinstance(conversations, list):
             raise TypeError(f"conversations must be a list of messages or a list of "
                             f"conversations, got {type(conversations).__name__}")
-        prompts = [self.tokenizer.apply_chat_template(chat_messages(conv), tokenize=False,
+        processor = self.engine.input_processor
+        placeholders = processor.placeholders if processor is not None else {}
+        prompts = []
+        for conv in conversations:
+            messages, media = flatten_content(conv, placeholders)
+            text = self.tokenizer.apply_chat_template(chat_messages(messages), tokenize=False,
                                                       add_generation_prompt=True)
-                   for conv in conversations]
+            prompts.append({"prompt": text, "multi_modal_data": media} if media else text)
         return self.generate(prompts, sampling_params, use_tqdm)
 
 
@@ -129,14 +146,30 @@ def chat_messages(conversation) -> list[dict]:
 
 def _prompt_list(prompts) -> list:
     """``prompts`` as a list: one prompt (a string or a list of token ids) or a list of them."""
-    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                    and isinstance(prompts[0], int)):
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                            and isinstance(prompts[0], int)):
         return [prompts]
     if isinstance(prompts, (list, tuple)):
         return list(prompts)
-    hint = " (for {'prompt': text}, pass the text itself)" if isinstance(prompts, dict) else ""
-    raise TypeError(f"prompts must be a string, a list of token ids or a list of those, "
-                    f"got {type(prompts).__name__}{hint}")
+    raise TypeError(f"prompts must be a string, a list of token ids, a dict with 'prompt' and "
+                    f"'multi_modal_data', or a list of those, got {type(prompts).__name__}")
+
+
+def _prompt_media(prompt) -> tuple:
+    """``(prompt, media)`` of a prompt: a string or token ids (no media), or a dict
+    ``{"prompt": ..., "multi_modal_data": {modality: item or [items]}}``."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = sorted(set(prompt) - {"prompt", "multi_modal_data"})
+    if unknown or "prompt" not in prompt:
+        raise TypeError(f"a prompt dict takes 'prompt' and 'multi_modal_data', got keys "
+                        f"{sorted(prompt)}")
+    media = prompt.get("multi_modal_data") or {}
+    if not isinstance(media, dict):
+        raise ValueError(f"multi_modal_data must be a dict of modality -> items, "
+                         f"got {type(media).__name__}")
+    return prompt["prompt"], {kind: items if isinstance(items, list) else [items]
+                              for kind, items in media.items()}
 
 
 def _params_list(sampling_params, num_prompts: int) -> list[SamplingParams]:

@@ -153,6 +153,9 @@ class LLMEngine:
         for kind, items in media.items():
             if kind not in MODALITIES:
                 raise MediaError(f"unknown media kind {kind!r}; one of {list(MODALITIES)}")
+            if kind not in self.input_processor.placeholders:
+                raise MediaError(f"this model takes "
+                                 f"{' and '.join(self.input_processor.placeholders)}, not {kind}")
             load = load_image if kind == "image" else load_audio
             decoded[kind] = [load(item) for item in items]
         expanded, mm = self.input_processor.process(token_ids, decoded)
