@@ -20,7 +20,9 @@
 #   w3-cublas: W3 with the projections on cuBLAS (the linear op pinned to torch), the GEMV's
 #   baseline; w3-autotune: the same with Inductor's GEMM autotuning in the decode layers;
 #   w1-peer, w2-peer, w3-peer:
-#   transformers on the same workload; w1-sync: W1 without async scheduling; w2, w3 and
+#   transformers on the same workload; w1-sync: W1 without async scheduling; w1-logprobs:
+#   W1 with the top-5 log-probs of every token; bench-logprobs: the per-step cost of
+#   log-probs and penalties at batch 256 (test_bench_logprobs.py); w2, w3 and
 #   their profiles keep the GDN state in bf16, as vLLM's anchors do (WORKLOADS.md), and
 #   w2-fp32-state runs W2 with the fp32 default; w2-256: W2 at max_num_seqs=256 and
 #   max_model_len=4096 (the outside harness's settings); w2-int8, w2-fp8, w3-int8, w3-fp8:
@@ -117,6 +119,10 @@ for stage in "$@"; do
                      --peer-max-tokens 200 ;;
         w1-sync) run w1_sync 240 python3 benchmarks/throughput.py --workload w1 \
                      --sync-scheduling ;;
+        w1-logprobs) run w1_logprobs 300 python3 benchmarks/throughput.py --workload w1 \
+                         --logprobs 5 ;;
+        bench-logprobs) TAIL=${TAIL:-12} run bench_logprobs 200 python3 -m pytest -q \
+                            -p no:cacheprovider benchmarks/test_bench_logprobs.py ;;
         w2-fp32-state) run w2_fp32_state 300 python3 benchmarks/throughput.py --workload w2 \
                            --max-num-seqs 200 --max-model-len 3072 ;;
         profile-w3) run profile_w3 150 python3 benchmarks/profile_step.py --workload w3 \

@@ -2,6 +2,7 @@
 real geometry (``load_format="dummy"`` on a config.json this script writes).
 
     python benchmarks/throughput.py --workload w1                     # qllm
+    python benchmarks/throughput.py --workload w1 --logprobs 5        # top-5 log-probs too
     python benchmarks/throughput.py --workload w1 --engine transformers --peer-prompts 64
     python benchmarks/throughput.py --workload w2 --engine transformers --peer-prompts 32 \
         --peer-batch 32 --peer-max-tokens 200
@@ -47,13 +48,15 @@ def run_qllm(model_dir: str, prompts, params, args) -> dict:
               quantization=args.quantization)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     startup = time.perf_counter() - start
-    sampling = [SamplingParams(temperature=t, max_tokens=m, ignore_eos=True) for m, t in params]
+    sampling = [SamplingParams(temperature=t, max_tokens=m, ignore_eos=True,
+                               logprobs=args.logprobs) for m, t in params]
     result = {}
     if len(prompts) == 1:  # a latency workload: time to first token, then decode speed
         # The first request of a prompt length may still compile kernels for its prefill
         # shapes (the start-up warm-up covers powers of two): reported apart, and the decode
         # speed is taken from warm runs.
-        first = [SamplingParams(temperature=t, max_tokens=1, ignore_eos=True) for _, t in params]
+        first = [SamplingParams(temperature=t, max_tokens=1, ignore_eos=True,
+                                logprobs=args.logprobs) for _, t in params]
         result["first_request_ttft_seconds"] = round(_timed(llm, prompts, first)[1], 4)
         result["ttft_seconds"] = round(_timed(llm, prompts, first)[1], 4)
     timeline = StepTimeline(llm.engine)
@@ -187,6 +190,8 @@ def main() -> int:
                         help="read each step's tokens before scheduling the next")
     parser.add_argument("--recurrent-state-dtype", default="float32",
                         help="GDN state dtype of hybrid models (float32 or bfloat16)")
+    parser.add_argument("--logprobs", type=int, help="every request asks for the top-K "
+                        "log-probs of each generated token (qllm only)")
     parser.add_argument("--peer-prompts", type=int, help="run only the first N prompts")
     parser.add_argument("--peer-batch", type=int, default=64)
     parser.add_argument("--peer-max-tokens", type=int,
@@ -217,7 +222,7 @@ def main() -> int:
         result.update(async_scheduling=not args.sync_scheduling,
                       recurrent_state_dtype=args.recurrent_state_dtype,
                       max_autotune_gemm=args.max_autotune_gemm, kernel_pins=dict(args.kernel),
-                      quantization=args.quantization)
+                      quantization=args.quantization, logprobs=args.logprobs)
     result.update(engine=args.engine, workload=args.workload, prompts=len(prompts),
                   tok_per_s=round(result["tokens"] / result["seconds"], 1),
                   peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),

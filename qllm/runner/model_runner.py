@@ -292,7 +292,9 @@ class ModelRunner:
                 sources.append(previous.rows[seq.seq_id])
         pending = None
         if pending_rows:
-            index = torch.tensor(sources, dtype=torch.int64).to(self.device, non_blocking=True)
+            index = torch.tensor(sources, dtype=torch.int64,
+                                 pin_memory=self.device.type == "cuda").to(self.device,
+                                                                           non_blocking=True)
             pending = (pending_rows, previous.device_tokens[index])
         return LogitsAdjustments.build(params, prompts, outputs, pending, num_outputs,
                                        eos_token_ids, self.vocab_size, self.device)
