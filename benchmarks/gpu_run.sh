@@ -28,7 +28,7 @@
 #   max_model_len=4096 (the outside harness's settings); w2-int8, w2-fp8, w3-int8, w3-fp8:
 #   W2 / W3 with 8-bit weights (qllm-kernels-int8); int8-tests: that plugin's kernel,
 #   accuracy and weight-format tests; config-tests: the Qwen3.5 config variants (a shared
-#   expert of another size) and the out-of-tree cache kind on CUDA; profile-w1/w2/w3,
+#   expert of another size) on CUDA; profile-w1/w2/w3,
 #   profile-w1-prefill, profile-w2-prefill: profile_step.py;
 #   ncu-gdn: Nsight Compute counters of the GDN decode kernel at batch 200 (bf16 state in
 #   consecutive slots, as in W2; the sweep's first config, the default 16 x 1 warp);
@@ -86,7 +86,7 @@ for stage in "$@"; do
                         tests/test_kernels_int8.py tests/test_int8_accuracy.py \
                         tests/test_weight_formats.py ;;
         config-tests) run config_tests 200 python3 -m pytest $PYTEST_GPU \
-                          tests/test_qwen3_5_configs.py tests/test_cache_kind_plugin.py ;;
+                          -m cuda tests/test_qwen3_5_configs.py ;;
         kernels) run bench_attention 100 python3 benchmarks/bench_attention.py
                  run bench_moe 100 python3 benchmarks/bench_moe.py
                  run bench_gdn 100 python3 benchmarks/bench_gdn.py

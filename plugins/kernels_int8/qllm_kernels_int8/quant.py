@@ -208,7 +208,7 @@ def fused_moe_fp8_w8a8_reference(x: torch.Tensor, w13, w13_scale, w2, w2_scale,
     way before the down projection; outputs rounded to ``x.dtype``."""
     block, num_experts, top_k = (block_n, block_k), w13.shape[0], topk_ids.shape[1]
     x_deq = dequantize_fp8_blocks(*quantize_fp8_groups(x, block_k), (1, block_k))
-    out = torch.empty(*topk_ids.shape, x.shape[1])
+    out = torch.empty(*topk_ids.shape, x.shape[1], device=x.device)
     for slot, e in enumerate(topk_ids.flatten().tolist()):
         t, j = divmod(slot, top_k)
         gate_up = (shared_w13, shared_w13_scale) if e == num_experts else (w13[e], w13_scale[e])
