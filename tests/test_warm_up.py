@@ -20,9 +20,9 @@ def test_warm_up_runs_full_prefill_then_ladder_and_leaves_nothing_behind(qwen3_d
     launched = []
     launch = engine.runner.launch
 
-    def recording_launch(batch, previous=None):
+    def recording_launch(batch, previous=None, **options):
         launched.append((batch.is_prefill, sum(batch.num_tokens), len(batch.seqs)))
-        return launch(batch, previous)
+        return launch(batch, previous, **options)
 
     monkeypatch.setattr(engine.runner, "launch", recording_launch)
     engine.warm_up()
