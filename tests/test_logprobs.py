@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_cache_free, random_prompts
+from helpers import assert_cache_free, random_prompts, with_decode_graphs
 from qllm import LLM, Logprob, SamplingParams
 from qllm.layers.logprobs import token_logprobs, unpack
 
@@ -137,3 +137,22 @@ def test_packed_logprobs_round_trip():
             assert entry[index.item()].logprob == value.item()
             if index.item() != token:
                 assert entry[index.item()].rank == rank
+
+
+def test_logprobs_through_decode_graphs_equal_eager(qwen3_dir):
+    """Decode steps on the CUDA-graph path (padded buckets, replayed on the CPU) score their
+    tokens as eager steps do."""
+    prompts = random_prompts([9, 14, 5])
+    params = SamplingParams(temperature=0.7, seed=4, max_tokens=6, ignore_eos=True,
+                            logprobs=3, presence_penalty=0.5)
+    eager = LLM(qwen3_dir, block_size=16, max_model_len=64).generate(prompts, params,
+                                                                      use_tqdm=False)
+    graphed = with_decode_graphs(LLM(qwen3_dir, block_size=16, max_model_len=64), [4])
+    assert graphed.engine.runner.graphs.bucket(3) == 4
+    for got, want in zip(graphed.generate(prompts, params, use_tqdm=False), eager):
+        assert got["token_ids"] == want["token_ids"]
+        for a, b in zip(got["logprobs"], want["logprobs"]):
+            assert list(a) == list(b) and [lp.rank for lp in a.values()] == \
+                [lp.rank for lp in b.values()]
+            assert [lp.logprob for lp in a.values()] == pytest.approx(
+                [lp.logprob for lp in b.values()], abs=1e-5)

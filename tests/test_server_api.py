@@ -355,3 +355,17 @@ def test_penalties_and_seeded_choices_match_llm_generate(server, client, llm):  
         assert choice.logprobs.token_logprobs == pytest.approx(
             [e[t].logprob for t, e in zip(want[choice.index]["token_ids"],
                                           want[choice.index]["logprobs"])], abs=1e-5)
+
+
+def test_streamed_logprobs_with_a_stop_string(server, client, llm):  # noqa: F811
+    """Tokens whose text a possible stop string holds back bring their log-probs in a later
+    chunk: the stream's log-probs are the whole response's."""
+    full = greedy(llm, PROMPTS[4], 24)[0]["text"]
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    args = {"model": server.model, "prompt": PROMPTS[4], "max_tokens": 24, "temperature": 0,
+            "stop": [stop], "logprobs": 2}
+    whole = client.completions.create(**args).choices[0]
+    assert whole.finish_reason == "stop" and whole.text == full[:full.index(stop)]
+    chunks = list(client.completions.create(**args, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    assert merged_legacy(chunks) == whole.logprobs.model_dump()
