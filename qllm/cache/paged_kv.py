@@ -94,7 +94,7 @@ class PagedKVPool(CachePool):
                 slot_mapping += [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
         slot_mapping += [padding * bs] * num_padding
         width = self.manager.blocks_needed(max_model_len) if max_model_len else \
-            max(map(len, block_tables), default=1)
+            max(1, max(map(len, block_tables), default=1))
         block_tables = [table + [padding] * (width - len(table)) for table in block_tables]
         block_tables += [[padding] * width] * num_padding
         return {"block_tables": (block_tables, torch.int32),
