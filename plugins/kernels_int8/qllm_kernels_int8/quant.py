@@ -20,6 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qllm.layers.activation import silu_and_mul
+from qllm.ops.moe import ExpertWeights, grouped_moe
+
 INT8_MAX = 127.0
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
@@ -124,36 +127,18 @@ def linear_fp8_w8a8_reference(x: torch.Tensor, weight: torch.Tensor, scale_inv: 
 
 
 def _grouped_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                 num_experts: int, expert_weights) -> torch.Tensor:
-    """The ``fused_moe`` contract on weights given per expert: ``expert_weights(e) ->
-    (w13 [2I, H], w2 [H, I])`` in ``x.dtype`` (``e == num_experts``: the shared expert)
-    -> the per-slot outputs ``[T, k, H]``. Eagerly only the experts hit are dequantized
-    (host sync); under ``torch.compile`` every expert runs on every token (static shapes)."""
-    weights = topk_weights.to(x.dtype)
-    top_k = topk_ids.shape[1]
-    if torch.compiler.is_compiling():
-        out = x.new_zeros(*topk_ids.shape, x.shape[1])
-        for e in range(num_experts + 1):
-            w13, w2 = expert_weights(e)
-            gate, up = F.linear(x, w13).chunk(2, dim=-1)
-            expert_out = F.linear(F.silu(gate) * up, w2)  # [T, H]
-            out = out + torch.where((topk_ids == e)[..., None], expert_out[:, None], 0.0)
-        return out * weights[..., None]
-    out = x.new_empty(topk_ids.numel(), x.shape[1])  # [T * k, H], row t * k + j
-    flat_ids = topk_ids.flatten()
-    order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()
-    weight_of = weights.flatten()[order]
-    start = 0
-    for e, count in enumerate(counts):
-        if count == 0:
-            continue
-        slots = order[start:start + count]
+                 num_experts: int, expert_weights: ExpertWeights) -> torch.Tensor:
+    """The ``fused_moe`` contract on weights given per expert (``qllm.ops.moe``): eagerly
+    only the experts hit are dequantized (host sync); under ``torch.compile`` every expert
+    runs on every token (static shapes)."""
+    if not torch.compiler.is_compiling():
+        return grouped_moe(x, topk_weights, topk_ids, num_experts, expert_weights)
+    out = x.new_zeros(*topk_ids.shape, x.shape[1])
+    for e in range(num_experts + 1):
         w13, w2 = expert_weights(e)
-        gate, up = F.linear(x[slots // top_k], w13).chunk(2, dim=-1)
-        out[slots] = F.linear(F.silu(gate) * up, w2) * weight_of[start:start + count, None]
-        start += count
-    return out.view(*topk_ids.shape, x.shape[1])
+        expert_out = F.linear(silu_and_mul(F.linear(x, w13)), w2)  # [T, H]
+        out = out + torch.where((topk_ids == e)[..., None], expert_out[:, None], 0.0)
+    return out * topk_weights.to(x.dtype)[..., None]
 
 
 def fused_moe_w8a16(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,

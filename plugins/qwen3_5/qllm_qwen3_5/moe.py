@@ -14,12 +14,12 @@ one matmul; the plain-torch references of both ops are registered by this plugin
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qllm.layers.activation import silu_and_mul
 from qllm.layers.linear import PackedLinear, default_weight_loader
 from qllm.layers.mlp import SwiGLUMLP
+from qllm.ops.moe import grouped_moe
 from qllm.plugins import Kernels
 
 
@@ -39,26 +39,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     each slot picks its expert's row: static shapes and no host sync, but E/k times the
     work. GPU plugins are expected to replace this op.
     """
-    weights = topk_weights.to(x.dtype)
     if torch.compiler.is_compiling():
         w13, w2 = torch.cat([w13, shared_w13[None]]), torch.cat([w2, shared_w2[None]])
-        return _dense_moe(x, w13, w2, weights, topk_ids)
-    num_experts, top_k = w13.shape[0], topk_ids.shape[1]
-    out = x.new_empty(topk_ids.numel(), x.shape[1])  # [T * k, H], row t * k + j
-    flat_ids = topk_ids.flatten()  # [T * k]
-    order = flat_ids.argsort(stable=True)  # slots grouped by expert
-    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()
-    weight_of = weights.flatten()[order]
-    start = 0
-    for e, count in enumerate(counts):
-        if count == 0:
-            continue
-        slots = order[start:start + count]  # [n]
-        gate_up, down = (w13[e], w2[e]) if e < num_experts else (shared_w13, shared_w2)
-        expert_out = F.linear(silu_and_mul(F.linear(x[slots // top_k], gate_up)), down)
-        out[slots] = expert_out * weight_of[start:start + count, None]  # [n, H]
-        start += count
-    return out.view(*topk_ids.shape, x.shape[1])
+        return _dense_moe(x, w13, w2, topk_weights.to(x.dtype), topk_ids)
+    num_experts = w13.shape[0]
+    return grouped_moe(x, topk_weights, topk_ids, num_experts, lambda e: (
+        (w13[e], w2[e]) if e < num_experts else (shared_w13, shared_w2)))
 
 
 def _dense_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
