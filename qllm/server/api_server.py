@@ -1,8 +1,8 @@
 """The FastAPI app and the uvicorn server of ``qllm serve``.
 
 Endpoints: ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /v1/models``,
-``POST /v1/completions`` and ``POST /v1/chat/completions`` (see ``openai_serving`` for
-their status codes). Every error, the framework's own included, has an OpenAI error body.
+``POST /v1/completions``, ``POST /v1/chat/completions`` and ``POST /v1/audio/transcriptions``
+(a multipart form; see ``openai_serving`` for their status codes). Every error, the framework's own included, has an OpenAI error body.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 import os
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -29,6 +29,7 @@ from qllm.server.protocol import (
     CompletionResponse,
     ErrorResponse,
     ModelList,
+    TranscriptionResponse,
 )
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,11 @@ _ERRORS = {status: {"model": ErrorResponse, "description": description}
            for status, description in [(400, "Bad request"), (404, "Unknown model"),
                                        (422, "Body does not match the schema"),
                                        (503, "Shutting down")]}
+# The form fields of POST /v1/audio/transcriptions this server reads; any other is a 400
+TRANSCRIPTION_FIELDS = frozenset({"file", "model", "language", "prompt", "response_format",
+                                  "temperature"})
+# and those sent at their neutral value (OpenAI's defaults), accepted
+TRANSCRIPTION_NEUTRAL = {"stream": "false", "timestamp_granularities[]": "segment"}
 _STREAM = {200: {"description": "A JSON body, or server-sent events with `stream: true`",
                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
@@ -84,6 +90,22 @@ def build_app(engine: LLMEngine, served_model_name: str | None = None) -> FastAP
               responses={**_ERRORS, **_STREAM})
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await serving.chat(body, raw)
+
+    @app.post("/v1/audio/transcriptions", response_model=TranscriptionResponse,
+              responses={**_ERRORS, 200: {
+                  "description": "`{\"text\"}`, or plain text with `response_format: text`",
+                  "content": {"text/plain": {"schema": {"type": "string"}}}}})
+    async def transcriptions(raw: Request, file: UploadFile = File(
+                                 description="a WAV file at the model's sampling rate"),
+                             model: str = Form(), language: str | None = Form(None),
+                             prompt: str | None = Form(None),
+                             response_format: str = Form("json"),
+                             temperature: float | None = Form(None, ge=0, le=2)):
+        form = await raw.form()
+        extra = [key for key in form if key not in TRANSCRIPTION_FIELDS
+                 and form.getlist(key) != [TRANSCRIPTION_NEUTRAL.get(key)]]
+        return await serving.transcription(raw, await file.read(), model, language or None,
+                                           prompt or None, response_format, temperature, extra)
 
     return app
 

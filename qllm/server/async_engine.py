@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from qllm.config import SamplingParams
 from qllm.engine.llm_engine import LLMEngine
 from qllm.engine.sequence import Sequence
+from qllm.multimodal import MultimodalInputs
 from qllm.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -118,8 +119,11 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and not self._stopped
 
     async def add(self, prompts: list[list[int]], params: list[SamplingParams],
-                  request_id: str) -> RequestGroup:
-        """Queue one engine request per (prompt, params) pair, all or none.
+                  request_id: str, multimodal: list[MultimodalInputs | None] | None = None
+                  ) -> RequestGroup:
+        """Queue one engine request per (prompt, params) pair, all or none. ``multimodal``:
+        per prompt, what ``LLMEngine.process_prompt`` made of its media (then ``prompts``
+        hold the expanded token ids), or None.
 
         Raises ``ValueError`` (from the engine's validation) if any cannot be served, and
         ``EngineStoppedError`` after ``stop``.
@@ -128,7 +132,8 @@ class AsyncEngine:
             raise EngineStoppedError("the server is shutting down")
         group = RequestGroup(self, request_id, len(prompts))
         added: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._calls.put(lambda: self._add(group, prompts, params, added))
+        multimodal = multimodal or [None] * len(prompts)
+        self._calls.put(lambda: self._add(group, prompts, params, multimodal, added))
         try:
             await asyncio.wrap_future(added)
         except asyncio.CancelledError:
@@ -186,14 +191,16 @@ class AsyncEngine:
         self._publish(advanced)
 
     def _add(self, group: RequestGroup, prompts: list[list[int]],
-             params: list[SamplingParams], added: concurrent.futures.Future) -> None:
+             params: list[SamplingParams], multimodal: list[MultimodalInputs | None],
+             added: concurrent.futures.Future) -> None:
         if not added.set_running_or_notify_cancel():
             return
         ids = []
         try:
-            for index, (prompt, sampling) in enumerate(zip(prompts, params)):
+            for index, (prompt, sampling, mm) in enumerate(zip(prompts, params, multimodal)):
                 request_id = group.engine_request_id(index)
-                seq = self.engine.add_request(prompt, sampling, request_id, stream_text=True)
+                seq = self.engine.add_request(prompt, sampling, request_id, stream_text=True,
+                                              multimodal=mm)
                 ids.append(request_id)
                 holdback = max(map(len, sampling.stop), default=1) - 1
                 self._tracked[request_id] = _Tracked(group, index, holdback)

@@ -9,7 +9,10 @@ Status codes (each with an OpenAI error body, see ``api_server``):
   ids outside the vocabulary, ``top_k`` = 0, an empty stop string, ``logprobs`` /
   ``top_logprobs`` outside [0, 20] (``top_logprobs`` without ``logprobs: true``), a
   presence or frequency penalty outside [-2, 2], ``repetition_penalty`` <= 0,
-  ``min_tokens`` outside [0, max_tokens], a conversation the chat template rejects.
+  ``min_tokens`` outside [0, max_tokens], a conversation the chat template rejects; a media
+  content part the model does not take, an image URL that is not a data URL, media that do
+  not decode or do not fit ``max_model_len``; a transcription for a model without audio
+  inputs, an unknown ``language``, a ``response_format`` other than json or text.
 - 404: a ``model`` other than the served one.
 - 422: the body does not match the schema (missing field, wrong type, value out of range).
 - 503: the server is shutting down.
@@ -18,6 +21,8 @@ Status codes (each with an OpenAI error body, see ``api_server``):
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import dataclasses
 import json
 import uuid
@@ -26,11 +31,12 @@ from dataclasses import dataclass, field
 
 from jinja2 import TemplateError
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import PlainTextResponse, StreamingResponse
 
 from qllm.config import SamplingParams
-from qllm.engine.llm import chat_messages
+from qllm.engine.llm import render_chat
 from qllm.engine.llm_engine import load_tokenizer
+from qllm.multimodal import MediaError
 from qllm.server.async_engine import (
     AsyncEngine,
     EngineStoppedError,
@@ -54,13 +60,17 @@ from qllm.server.protocol import (
     CompletionResponse,
     ErrorInfo,
     ErrorResponse,
+    ImageURLContentPart,
+    InputAudioContentPart,
     ModelCard,
     ModelList,
+    TranscriptionResponse,
     Usage,
     unsupported_fields,
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+TRANSCRIPTION_FORMATS = ("json", "text")  # of OpenAI's response_format values, those served
 # The engine's finish reasons as OpenAI's: a request aborted at shutdown was cut short, as by
 # max_tokens, so "length" (OpenAI's enum has no "abort"; vLLM sends "abort" as is, which
 # typed clients fail to parse, see vllm-project/vllm#57082).
@@ -90,6 +100,9 @@ class OpenAIServing:
         self.tokenizer = load_tokenizer(engine.engine.config.model)
         self.token_strings = TokenStrings(self.tokenizer) if self.tokenizer is not None \
             else None
+        # and its own instance of the model's media processor (None: a text-only model)
+        self.input_processor = engine.engine.model.input_processor(engine.engine.config.model,
+                                                                   self.tokenizer)
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
@@ -115,27 +128,111 @@ class OpenAIServing:
         self._check_request(request)
         if self.tokenizer is None:
             raise APIError(400, f"model {self.model_name!r} has no tokenizer for chat")
-        conversation = chat_messages([{"role": m.role, "content": m.text()}
-                                      for m in request.messages])
+        conversation = [{"role": m.role, "content": m.content if isinstance(m.content, str)
+                         else [self._content_part(part, f"messages.{i}.content.{j}")
+                               for j, part in enumerate(m.content)]}
+                        for i, m in enumerate(request.messages)]
+        text, media = self._render(conversation)
+        ids, mm = await self._process(self._encode(text, "messages"), media, "messages")
+        max_tokens = self._max_tokens(request.max_completion_tokens or request.max_tokens, ids,
+                                      None)
+        return await self._generate(request, [ids], [max_tokens], raw, chat=True,
+                                    multimodal=[mm])
+
+    async def transcription(self, raw: Request, file: bytes, model: str,
+                            language: str | None, prompt: str | None, response_format: str,
+                            temperature: float | None, extra: list[str]):
+        """``POST /v1/audio/transcriptions``: the transcript of one WAV clip, greedy unless
+        ``temperature`` says otherwise (OpenAI's default is 0), as ``{"text"}`` or plain
+        text. A model that takes no audio gets a 400."""
+        self._check_model(model)
+        for name in extra:
+            raise APIError(400, f"{name} is not supported by this server; leave it out",
+                           param=name)
+        if response_format not in TRANSCRIPTION_FORMATS:
+            raise APIError(400, f"response_format must be one of {list(TRANSCRIPTION_FORMATS)}"
+                                f", got {response_format!r}", param="response_format")
+        processor = self.input_processor
+        if processor is None or "audio" not in processor.placeholders or self.tokenizer is None:
+            raise APIError(400, f"model {self.model_name!r} takes no audio inputs: it does not "
+                                f"transcribe", param="model")
         try:
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                      add_generation_prompt=True)
+            messages, continued = processor.transcription_messages(file, language, prompt)
+        except MediaError as exc:
+            raise APIError(400, f"model {self.model_name!r} cannot transcribe: {exc}",
+                           param="model") from exc
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="language") from exc
+        text, media = self._render(messages, continue_final_message=continued)
+        ids, mm = await self._process(self._encode(text, "prompt"), media, "file")
+        params = SamplingParams(temperature=temperature or 0.0,
+                                max_tokens=self._max_tokens(None, ids, None))
+        request_id = f"trsc-{uuid.uuid4().hex}"
+        group = await self._add([ids], [params], request_id, [mm])
+        try:
+            [choice] = await _unless_disconnected(raw, _collect(group, 1))
+        finally:
+            group.abort()
+        transcript = processor.transcript(choice.text)
+        if response_format == "text":
+            return PlainTextResponse(transcript)
+        return TranscriptionResponse(text=transcript)
+
+    def _content_part(self, part, where: str) -> dict:
+        """A chat content part as ``render_chat`` takes it. Media must come in the request
+        itself: an image as a data URL, audio as base64 (decoded here, so that no string
+        can name a file on the server)."""
+        if isinstance(part, ImageURLContentPart):
+            if not part.image_url.url.startswith("data:"):
+                raise APIError(400, f"{where}.image_url.url must be a data URL "
+                                    f"(data:image/png;base64,...): remote URLs are not "
+                                    f"fetched and files are not read",
+                               param=f"{where}.image_url.url")
+        elif isinstance(part, InputAudioContentPart):
+            try:
+                data = base64.b64decode(part.input_audio.data, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise APIError(400, f"{where}.input_audio.data is not valid base64 ({exc})",
+                               param=f"{where}.input_audio.data") from exc
+            return {"type": "input_audio", "input_audio": {
+                "data": data, "format": part.input_audio.format}}
+        return part.part()
+
+    def _render(self, conversation: list[dict], continue_final_message: bool = False
+                ) -> tuple[str, dict]:
+        """``render_chat`` (as ``LLM.chat``), its errors as 400s naming the field."""
+        try:
+            return render_chat(self.tokenizer, conversation, self.input_processor,
+                               "messages.{i}.content.{j}", continue_final_message)
+        except MediaError as exc:
+            raise APIError(400, str(exc), param=exc.param or "messages") from exc
         except (TemplateError, ValueError) as exc:
             raise APIError(400, f"the chat template rejected the messages: {exc}",
                            param="messages") from exc
-        ids = self._encode(text, "messages")
-        max_tokens = self._max_tokens(request.max_completion_tokens or request.max_tokens, ids,
-                                      None)
-        return await self._generate(request, [ids], [max_tokens], raw, chat=True)
+
+    async def _process(self, ids: list[int], media: dict, param: str):
+        """``(token ids, encoder inputs)`` of a prompt with media, decoded and preprocessed
+        off the event loop by the front end's own processor; without media the engine
+        thread works out the positions. Bad media get a 400 with the engine's message."""
+        if not media:
+            return ids, None
+        try:
+            return await asyncio.to_thread(self.engine.engine.process_prompt, ids, media,
+                                           self.input_processor)
+        except MediaError as exc:
+            raise APIError(400, str(exc), param=exc.param or param) from exc
 
     # ------------------------------------------------------------------ validation
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server "
+                                f"serves {self.model_name!r}", param="model",
+                           code="model_not_found")
+
     def _check_request(self, request) -> None:
         """404 for another model; 400 for the first field sent that is not implemented, or
         for log-probs asked beyond ``MAX_LOGPROBS``."""
-        if request.model != self.model_name:
-            raise APIError(404, f"the model {request.model!r} does not exist; this server "
-                                f"serves {self.model_name!r}", param="model",
-                           code="model_not_found")
+        self._check_model(request.model)
         for path in unsupported_fields(request):
             name = path.rsplit(".", 1)[-1]
             neutral = f" (or send {json.dumps(NEUTRAL_VALUES[name])})" \
@@ -211,22 +308,29 @@ class OpenAIServing:
                            else None) from exc
 
     # ------------------------------------------------------------------ generating
-    async def _generate(self, request, prompts: list[list[int]], max_tokens: list[int],
-                        raw: Request, chat: bool, echoed: list[str] | None = None):
-        """Run ``request.n`` choices per prompt. ``echoed``: the prompts' texts, put before
-        each of their choices' texts (completions' ``echo``), with the prompt tokens'
-        log-probs when log-probs are asked for."""
-        n = request.num_choices
-        params = [self._sampling_params(request, limit, choice)
-                  for limit in max_tokens for choice in range(n)]
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    async def _add(self, prompts: list[list[int]], params: list[SamplingParams],
+                   request_id: str, multimodal: list | None = None) -> RequestGroup:
         try:
-            group = await self.engine.add([ids for ids in prompts for _ in range(n)], params,
-                                          request_id)
+            return await self.engine.add(prompts, params, request_id, multimodal)
         except EngineStoppedError as exc:
             raise APIError(503, str(exc), type="server_error") from exc
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
+
+    async def _generate(self, request, prompts: list[list[int]], max_tokens: list[int],
+                        raw: Request, chat: bool, echoed: list[str] | None = None,
+                        multimodal: list | None = None):
+        """Run ``request.n`` choices per prompt. ``echoed``: the prompts' texts, put before
+        each of their choices' texts (completions' ``echo``), with the prompt tokens'
+        log-probs when log-probs are asked for. ``multimodal``: per prompt, its encoder
+        inputs (``_process``) or None."""
+        n = request.num_choices
+        params = [self._sampling_params(request, limit, choice)
+                  for limit in max_tokens for choice in range(n)]
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        group = await self._add([ids for ids in prompts for _ in range(n)], params, request_id,
+                                None if multimodal is None
+                                else [mm for mm in multimodal for _ in range(n)])
         prompt_tokens = sum(map(len, prompts))
         if request.stream:
             return StreamingResponse(self._stream(group, request, prompts, echoed,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,6 +30,7 @@ NEUTRAL_VALUES = {
     "min_p": 0, "tools": [], "tool_choice": "none", "functions": [],
     "function_call": "none", "parallel_tool_calls": True, "tool_calls": [],
     "response_format": {"type": "text"}, "modalities": ["text"], "store": False,
+    "detail": "auto",
 }
 # Fields that do not change what is generated (ids of the end user): accepted and ignored.
 IGNORED_FIELDS = frozenset({"user", "safety_identifier"})
@@ -119,15 +120,44 @@ class TextContentPart(_Request):
     type: Literal["text"]
     text: str
 
+    def part(self) -> dict:
+        return {"type": "text", "text": self.text}
+
+
+class ImageURL(_Request):
+    url: str = Field(description="a data URL (data:image/png;base64,...); remote URLs are "
+                                 "not fetched")
+
+
+class ImageURLContentPart(_Request):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+    def part(self) -> dict:
+        return {"type": "image_url", "image_url": {"url": self.image_url.url}}
+
+
+class InputAudio(_Request):
+    data: str = Field(description="the base64 of a WAV file at the model's sampling rate")
+    format: str = Field(description="'wav'")
+
+
+class InputAudioContentPart(_Request):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+    def part(self) -> dict:
+        return {"type": "input_audio", "input_audio": {"data": self.input_audio.data,
+                                                       "format": self.input_audio.format}}
+
+
+ContentPart = Annotated[TextContentPart | ImageURLContentPart | InputAudioContentPart,
+                        Field(discriminator="type")]
+
 
 class ChatMessage(_Request):
     role: Literal[CHAT_ROLES]
-    content: str | list[TextContentPart]
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content
+    content: str | list[ContentPart]
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -237,6 +267,12 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+class TranscriptionResponse(BaseModel):
+    """``POST /v1/audio/transcriptions`` with ``response_format`` json."""
+
+    text: str
 
 
 class ModelCard(BaseModel):

@@ -15,6 +15,7 @@ from qllm.multimodal import EncoderInput, InputProcessor, MediaError, Multimodal
 from qllm_qwen3.asr import audio_token_count
 
 AUDIO_PLACEHOLDER = "<|audio_start|><|audio_pad|><|audio_end|>"
+ASR_TEXT = "<asr_text>"  # ends the "language <Name>" line that opens a transcript
 
 
 class Qwen3ASRInputProcessor(InputProcessor):
@@ -41,6 +42,28 @@ class Qwen3ASRInputProcessor(InputProcessor):
     @property
     def sampling_rate(self) -> int:
         return self.feature_extractor.sampling_rate
+
+    def transcription_messages(self, audio, language=None, prompt=None):
+        """As ``Qwen3ASRProcessor.apply_transcription_request``: the context ``prompt`` as the
+        system message, the clip as the user's, and a language (a code or a name of the ones
+        Qwen3-ASR was trained on) forced by starting the assistant's turn with ``language
+        <Name><asr_text>``; without one the model names the language itself."""
+        messages = []
+        if prompt:
+            messages.append({"role": "system", "content": prompt})
+        messages.append({"role": "user", "content": [{"type": "audio", "audio": audio}]})
+        if language is None:
+            return messages, False
+        from transformers.audio_utils import resolve_language
+        from transformers.models.qwen3_asr.processing_qwen3_asr import LANGUAGE_CODE_TO_NAME
+
+        name = resolve_language(language, LANGUAGE_CODE_TO_NAME, return_code=False)
+        messages.append({"role": "assistant", "content": f"language {name}{ASR_TEXT}"})
+        return messages, True
+
+    def transcript(self, text: str) -> str:
+        """The text after the ``language <Name><asr_text>`` the model writes first."""
+        return text.split(ASR_TEXT, 1)[-1].strip()
 
     def _slots(self, token_ids: list[int], num_clips: int) -> list[int]:
         slots = [i for i, t in enumerate(token_ids) if t == self.audio_token_id]
