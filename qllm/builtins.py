@@ -20,10 +20,13 @@ def qllm_cache_kinds():
             fixed_units=lambda config: None),
         CacheKindSpec(
             name="recurrent_slot",
-            factory=lambda layers, units, config, device: RecurrentSlotPool(layers, units,
-                                                                            device),
+            factory=lambda layers, units, config, device: RecurrentSlotPool(
+                layers, units, device, config.prefix_state_cache_slots, config.block_size,
+                config.prefix_state_interval_blocks),
             bytes_per_unit=lambda layers, config: bytes_per_slot(layers),
-            fixed_units=lambda config: config.max_num_seqs),
+            fixed_units=lambda config: config.max_num_seqs,
+            reserved_bytes=lambda layers, config:
+                bytes_per_slot(layers) * config.prefix_state_cache_slots),
     ]
 
 

@@ -36,12 +36,15 @@ class CacheKindSpec:
     allocating.
     ``fixed_units(engine_config)`` returns the unit count when the kind is not sized from
     the leftover memory budget (recurrent slots: one per running sequence), else ``None``.
+    ``reserved_bytes(layers, engine_config)`` is memory the pool allocates beyond its units
+    (recurrent slots: the prefix-state checkpoints), taken from the budget first.
     """
 
     name: str
     factory: Callable[..., Any]
     bytes_per_unit: Callable[..., int]
     fixed_units: Callable[..., int | None]
+    reserved_bytes: Callable[..., int] = lambda layers, config: 0
 
 
 @dataclass(frozen=True)

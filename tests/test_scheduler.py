@@ -35,6 +35,9 @@ class FakeRegistry:
     def reserve(self, seq, n):
         return self.pool.reserve(seq, n)
 
+    def limit_chunk(self, seq, n):
+        return self.pool.limit_chunk(seq, n)
+
     def release(self, seq):
         self.pool.release(seq)
         seq.num_computed_tokens = 0

@@ -69,6 +69,33 @@ class CachePool(abc.ABC):
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix that no sequence holds (for pools that keep them)."""
 
+    # Prefix caching across pools: at admission each pool first takes what it has of the
+    # sequence's cached prefix (``admit``: ``paged_kv`` sets ``seq.num_computed_tokens``),
+    # then the registry asks every pool how much of that it can serve (``longest_prefix``)
+    # and settles on the shortest answer (``take_prefix``).
+    on_forget_prefix = None  # set by the registry: call with a block hash no pool may keep
+
+    def longest_prefix(self, seq: Sequence, num_tokens: int) -> int:
+        """The longest cached prefix of ``seq``, at most ``num_tokens`` tokens (a block
+        boundary), that this pool can serve too."""
+        return num_tokens
+
+    def take_prefix(self, seq: Sequence, num_tokens: int) -> None:
+        """``seq`` starts from its first ``num_tokens`` tokens (the registry's settled
+        prefix): give back what was taken beyond it, fill in what this pool restores."""
+
+    def forget_prefix(self, block_hash: int) -> None:
+        """The prefix ending with the block of hash ``block_hash`` is no longer cached."""
+
+    def limit_chunk(self, seq: Sequence, num_tokens: int) -> int:
+        """How many of the ``num_tokens`` tokens the scheduler means to compute for ``seq``
+        in one prefill step it may compute (e.g. stopping at a state checkpoint)."""
+        return num_tokens
+
+    def step_launched(self, seqs: list[Sequence], is_prefill: bool) -> None:
+        """Called right after a step of ``seqs`` is queued on the device (their
+        ``num_computed_tokens`` already advanced), before the next step is built."""
+
     @abc.abstractmethod
     def release(self, seq: Sequence) -> None:
         """Free everything ``seq`` holds (finish, abort or preemption); a no-op for a

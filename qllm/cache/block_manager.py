@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from qllm.engine.sequence import Sequence
 
@@ -38,6 +39,8 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.tables: dict[int, list[int]] = {}  # seq_id -> block ids, in token order
+        # called with each block hash that stops being cached (its block reused or reset)
+        self.on_forget: Callable[[int], None] | None = None
 
     def block_table(self, seq: Sequence) -> list[int]:
         """The blocks ``seq`` holds, in token order (empty when it holds none)."""
@@ -115,6 +118,8 @@ class BlockManager:
     def _forget(self, block: Block) -> None:
         if block.hash is not None and self.cached.get(block.hash) == block.block_id:
             del self.cached[block.hash]
+            if self.on_forget is not None:
+                self.on_forget(block.hash)
         block.hash = None
         block.token_ids = ()
 
@@ -137,15 +142,27 @@ class BlockManager:
                 start = index * self.block_size
                 tokens = tuple(seq.token_ids[start:start + self.block_size])
                 block_hash = chain_hash(parent, tokens)
-                if block_hash in self.cached:  # another sequence computed the same block
-                    return
+                if block_hash in self.cached:  # another sequence computed the same block:
+                    parent = block_hash  # that one stays cached; the chain goes on
+                    continue
                 block.hash, block.token_ids = block_hash, tokens
                 self.cached[block_hash] = block.block_id
             parent = block.hash
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep only the blocks of ``seq``'s first ``num_tokens`` tokens (a block boundary),
+        giving back the rest as ``release`` does (cached blocks stay cached)."""
+        table = self.tables.get(seq.seq_id, [])
+        keep = num_tokens // self.block_size
+        self._drop(table[keep:])
+        del table[keep:]
+
     def release(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; blocks nobody holds go back to the free pool."""
-        for block_id in reversed(self.tables.pop(seq.seq_id, ())):
+        self._drop(self.tables.pop(seq.seq_id, ()))
+
+    def _drop(self, block_ids) -> None:
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} released twice"

@@ -44,6 +44,7 @@ class PagedKVPool(CachePool):
         super().__init__(layers, num_units, device)
         self.block_size = block_size
         self.manager = BlockManager(num_units, block_size, enable_prefix_caching)
+        self.manager.on_forget = self._forgotten
         for layer, req in zip(layers, self.requirements(layers)):
             layer.attach_cache({
                 key: torch.zeros((num_units + 1, block_size, *shape), dtype=req.dtypes[key],
@@ -68,6 +69,13 @@ class PagedKVPool(CachePool):
 
     def reset_prefix_cache(self) -> None:
         self.manager.reset_prefix_cache()
+
+    def take_prefix(self, seq: Sequence, num_tokens: int) -> None:
+        self.manager.truncate(seq, num_tokens)  # the blocks past it are recomputed
+
+    def _forgotten(self, block_hash: int) -> None:
+        if self.on_forget_prefix is not None:
+            self.on_forget_prefix(block_hash)
 
     def block_table(self, seq: Sequence) -> list[int]:
         """The blocks ``seq`` holds, in token order."""

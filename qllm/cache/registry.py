@@ -44,6 +44,7 @@ class CacheRegistry:
         fixed = {name: spec.fixed_units(config) for name, spec in specs.items()}
         fixed_bytes = sum(specs[n].bytes_per_unit(by_kind[n], config) * units
                           for n, units in fixed.items() if units is not None)
+        fixed_bytes += sum(spec.reserved_bytes(by_kind[n], config) for n, spec in specs.items())
         sized = [n for n, units in fixed.items() if units is None]
         budget = self._budget(config, device) - fixed_bytes
         if budget <= 0 and sized:
@@ -65,13 +66,21 @@ class CacheRegistry:
                         len(by_kind[name]))
 
         inexact = [name for name, pool in self.pools.items() if not pool.supports_prefix_caching]
+        self._prefix_capable = not inexact
         self.prefix_caching = config.enable_prefix_caching and not inexact
         if config.enable_prefix_caching and inexact:
             logger.info("prefix caching is off: it cannot be exact for cache kinds %s "
-                        "(e.g. recurrent state)", inexact)
+                        "(for recurrent state, give it prefix_state_cache_slots)", inexact)
         for pool in self.pools.values():
             pool.set_prefix_caching(self.prefix_caching)
+            pool.on_forget_prefix = self._forget_prefix
             pool.check_capacity(config.max_model_len)
+        # admissions with prefix caching on, their tokens, the tokens served from the cache,
+        # and those the KV cache held but that were recomputed (no state checkpoint reached)
+        self.prefix_queries = 0
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_recomputed_tokens = 0
 
     @staticmethod
     def _budget(config: EngineConfig, device: torch.device) -> int:
@@ -89,7 +98,62 @@ class CacheRegistry:
             if not pool.admit(seq):
                 self.release(seq)  # pools release what a sequence never took as a no-op
                 return False
+        if self.prefix_caching:
+            self._settle_prefix(seq)
         return True
+
+    def set_prefix_caching(self, enabled: bool) -> bool:
+        """Turn prefix caching off, or back on where the engine has it; returns whether it
+        was on (the engine's warm-up turns it off while it runs)."""
+        was, self.prefix_caching = self.prefix_caching, enabled and self._prefix_capable
+        for pool in self.pools.values():
+            pool.set_prefix_caching(self.prefix_caching)
+        return was
+
+    def _settle_prefix(self, seq: Sequence) -> None:
+        """Start ``seq`` from the longest cached prefix that every pool can serve (the
+        ``paged_kv`` hit, cut back to a recurrent-state checkpoint for hybrid models)."""
+        found = seq.num_computed_tokens
+        prefix = found
+        while True:
+            shortest = min(pool.longest_prefix(seq, prefix) for pool in self.pools.values())
+            if shortest == prefix:
+                break
+            prefix = shortest
+        for pool in self.pools.values():
+            pool.take_prefix(seq, prefix)
+        seq.num_computed_tokens = seq.num_cached_tokens = prefix
+        self.prefix_queries += 1
+        self.prefix_query_tokens += len(seq)
+        self.prefix_hit_tokens += prefix
+        self.prefix_recomputed_tokens += found - prefix
+
+    def limit_chunk(self, seq: Sequence, num_tokens: int) -> int:
+        """How many of ``num_tokens`` prefill tokens ``seq`` may compute in one step (a
+        chunk stops where a pool keeps a checkpoint)."""
+        for pool in self.pools.values():
+            num_tokens = pool.limit_chunk(seq, num_tokens)
+        return num_tokens
+
+    def step_launched(self, seqs: list[Sequence], is_prefill: bool) -> None:
+        """A step of ``seqs`` is queued on the device; before the next one is built."""
+        for pool in self.pools.values():
+            pool.step_launched(seqs, is_prefill)
+
+    def _forget_prefix(self, block_hash: int) -> None:
+        for pool in self.pools.values():
+            pool.forget_prefix(block_hash)
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """Prefix-cache counters since start-up (``/metrics``): queries, query tokens, hit
+        tokens, tokens KV-cached but recomputed for lack of a state checkpoint, and each
+        pool's own (``prefix_stats``)."""
+        stats = {"queries": self.prefix_queries, "query_tokens": self.prefix_query_tokens,
+                 "hit_tokens": self.prefix_hit_tokens,
+                 "recomputed_tokens": self.prefix_recomputed_tokens}
+        for pool in self.pools.values():
+            stats.update(getattr(pool, "prefix_stats", dict)())
+        return stats
 
     def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Room for ``num_new_tokens`` more tokens in every pool. On False, what was reserved

@@ -98,15 +98,18 @@ class LLMEngine:
 
     def _serve_dummy(self, lengths: list[int]) -> None:
         """Generate two tokens for dummy prompts of ``lengths`` tokens, all admitted at once,
-        with the prefix cache emptied before and after (so no hit shrinks a prefill step,
-        and no dummy prefix outlives the warm-up)."""
+        with the prefix cache emptied before and after and off between (so no hit or
+        state-checkpoint boundary shrinks a prefill step, and no dummy prefix outlives the
+        warm-up)."""
         self.cache.reset_prefix_cache()
+        enabled = self.cache.set_prefix_caching(False)
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
         for j, length in enumerate(lengths):
             prompt = [(j * length + i) % self.vocab_size for i in range(length)]
             self.add_request(prompt, params, request_id=f"qllm-warm-up-{j}")
         while self.has_unfinished():
             self.step()
+        self.cache.set_prefix_caching(enabled)
         self.cache.reset_prefix_cache()
 
     # ----------------------------------------------------------------- requests
@@ -219,6 +222,7 @@ class LLMEngine:
                                           eos_token_ids=self.eos_token_ids)
             for seq, n in zip(batch.seqs, batch.num_tokens):
                 seq.num_computed_tokens += n
+            self.cache.step_launched(batch.seqs, batch.is_prefill)  # e.g. state checkpoints
             for seq in launched.seqs:
                 seq.num_pending_tokens += 1
         if not self.config.async_scheduling:

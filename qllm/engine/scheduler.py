@@ -29,7 +29,8 @@ class Scheduler:
     """FCFS scheduler with chunked prefill and preemption by recompute.
 
     Each step is a prefill step when some prompt still needs computing and fits, otherwise a
-    decode step over every running sequence. When the cache cannot grow a running sequence, the
+    decode step over every running sequence. A prefill chunk also stops where a cache pool
+    asks (``CacheRegistry.limit_chunk``: a recurrent-state checkpoint boundary). When the cache cannot grow a running sequence, the
     most recently admitted sequence is preempted: its cache is freed and it returns to the head
     of the queue, to be recomputed (prompt plus generated tokens) when there is room.
     """
@@ -62,7 +63,7 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.status == SequenceStatus.RUNNING and seq.num_uncomputed_tokens > 1:
-                n = min(seq.num_uncomputed_tokens, budget)
+                n = self.cache.limit_chunk(seq, min(seq.num_uncomputed_tokens, budget))
                 if self._reserve_or_preempt(seq, n):
                     seqs.append(seq)
                     counts.append(n)
@@ -77,7 +78,7 @@ class Scheduler:
             if n > budget and not self.chunked_prefill and seqs:
                 self.cache.release(seq)  # the whole prompt goes in a later step
                 break
-            n = min(n, budget) if self.chunked_prefill else n
+            n = self.cache.limit_chunk(seq, min(n, budget) if self.chunked_prefill else n)
             if not self.cache.reserve(seq, n):
                 self.cache.release(seq)
                 break

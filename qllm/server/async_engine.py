@@ -168,6 +168,7 @@ class AsyncEngine:
                 self._step()
             self.metrics.set_engine_state(len(engine.scheduler.running),
                                           len(engine.scheduler.waiting), engine.cache.usage())
+            self.metrics.set_prefix_cache_stats(engine.cache.prefix_cache_stats())
 
     def _run_calls(self, block: bool) -> bool:
         """Run the queued calls (waiting for one if ``block``); True at the stop sentinel."""

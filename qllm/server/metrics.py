@@ -15,6 +15,22 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
+# CacheRegistry.prefix_cache_stats() keys as metrics qllm_prefix_cache_<key>[_total]
+PREFIX_CACHE_METRICS = (
+    ("queries", "counter", "Admissions (readmissions included) that looked up the prefix cache."),
+    ("query_tokens", "counter", "Tokens of the sequences that looked up the prefix cache."),
+    ("hit_tokens", "counter", "Tokens served from the prefix cache."),
+    ("recomputed_tokens", "counter",
+     "Tokens whose KV blocks were cached but that were recomputed: no recurrent-state "
+     "checkpoint reached that far."),
+    ("state_checkpoints", "gauge", "Recurrent-state checkpoints held."),
+    ("state_checkpoint_capacity", "gauge", "Recurrent-state checkpoint slots."),
+    ("state_checkpoints_saved", "counter", "Recurrent-state checkpoints saved."),
+    ("state_checkpoints_restored", "counter", "Recurrent-state checkpoints restored at a hit."),
+    ("state_checkpoints_evicted", "counter",
+     "Recurrent-state checkpoints dropped (LRU, or their KV blocks left the cache)."),
+)
+
 
 class Histogram:
     """Cumulative-bucket histogram of seconds."""
@@ -47,6 +63,7 @@ class ServerMetrics:
         self.num_running = 0
         self.num_waiting = 0
         self.cache_usage: dict[str, float] = {}
+        self.prefix_cache: dict[str, int] = {}  # CacheRegistry.prefix_cache_stats()
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished: Counter[str] = Counter()
@@ -56,6 +73,10 @@ class ServerMetrics:
     def set_engine_state(self, running: int, waiting: int, cache_usage: dict[str, float]):
         with self._lock:
             self.num_running, self.num_waiting, self.cache_usage = running, waiting, cache_usage
+
+    def set_prefix_cache_stats(self, stats: dict[str, int]) -> None:
+        with self._lock:
+            self.prefix_cache = dict(stats)
 
     def request_added(self, num_prompt_tokens: int) -> None:
         with self._lock:
@@ -90,6 +111,10 @@ class ServerMetrics:
             metric("qllm_cache_usage_ratio", "gauge", "Fraction of each cache pool in use.",
                    [f'qllm_cache_usage_ratio{{kind="{kind}"}} {usage!r}'
                     for kind, usage in sorted(self.cache_usage.items())])
+            for key, kind, help_text in PREFIX_CACHE_METRICS:
+                if key in self.prefix_cache:
+                    name = f"qllm_prefix_cache_{key}" + ("_total" if kind == "counter" else "")
+                    metric(name, kind, help_text, [f"{name} {self.prefix_cache[key]}"])
             metric("qllm_prompt_tokens_total", "counter", "Prompt tokens of accepted requests.",
                    [f"qllm_prompt_tokens_total {self.prompt_tokens}"])
             metric("qllm_generation_tokens_total", "counter", "Tokens generated.",

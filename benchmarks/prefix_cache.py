@@ -1,0 +1,122 @@
+"""Prefix caching of a hybrid model (issue 26): 64 requests sharing a 4,000-token system prompt,
+each with its own 200-token suffix and 128 output tokens, with and without the prefix cache
+(``prefix_state_cache_slots`` recurrent-state checkpoints), random weights at the
+Qwen3.5-35B-A3B geometry (``load_format="dummy"``).
+
+    python benchmarks/prefix_cache.py                       # both modes, on CUDA
+    python benchmarks/prefix_cache.py --num-layers 8 --modes on
+    python benchmarks/prefix_cache.py --cold                # no request primes the cache
+    python benchmarks/prefix_cache.py --model DIR --device cpu --system-tokens 300 \\
+        --suffix-tokens 20 --output-tokens 8 --num-requests 4  # a smoke run on a tiny model
+
+Before the timed requests one request with the system prompt (and a suffix of its own) is
+served in both modes, as a server with a fixed system prompt would have served one already
+(``--cold`` skips it: then requests admitted in the same step cannot hit each other). Prints
+one JSON line per mode: mean / p50 / p90 time to first token (from submission, all requests
+submitted at once), output throughput, wall seconds, the prefix-cache counters
+(``CacheRegistry.prefix_cache_stats``) and the commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from workloads import QWEN3_5_35B_A3B, commit, write_config
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run(model_dir: str, cached: bool, args) -> dict:
+    from qllm import LLM, SamplingParams
+
+    llm = LLM(model_dir, load_format=args.load_format, dtype=args.dtype, device=args.device,
+              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              enable_prefix_caching=cached,
+              prefix_state_cache_slots=args.state_slots if cached else 0,
+              prefix_state_interval_blocks=args.interval_blocks,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = llm.engine
+    vocab = engine.vocab_size
+    rng = random.Random(0)
+    system = [rng.randrange(2, vocab) for _ in range(args.system_tokens)]
+    suffixes = [[rng.randrange(2, vocab) for _ in range(args.suffix_tokens)]
+                for _ in range(args.num_requests + 1)]
+    params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
+    if not args.cold:  # the system prompt seen once before (in both modes)
+        llm.generate([system + suffixes[-1]], SamplingParams(max_tokens=1), use_tqdm=False)
+    stats_before = engine.cache.prefix_cache_stats()
+
+    synchronize(args.device)
+    start = time.perf_counter()
+    seqs = [engine.add_request(system + suffix, params) for suffix in suffixes[:-1]]
+    first_token: dict[int, float] = {}
+    while engine.has_unfinished():
+        for seq in engine.step():
+            if seq.seq_id not in first_token:
+                first_token[seq.seq_id] = time.perf_counter() - start
+    synchronize(args.device)
+    seconds = time.perf_counter() - start
+    ttft = sorted(first_token[seq.seq_id] for seq in seqs)
+    stats = engine.cache.prefix_cache_stats()
+    return {
+        "bench": "prefix_cache", "prefix_cache": cached, "cold": args.cold,
+        "num_requests": args.num_requests, "system_tokens": args.system_tokens,
+        "suffix_tokens": args.suffix_tokens, "output_tokens": args.output_tokens,
+        "num_layers": args.num_layers, "state_slots": args.state_slots if cached else 0,
+        "interval_blocks": args.interval_blocks,
+        "mean_ttft_seconds": round(statistics.fmean(ttft), 4),
+        "p50_ttft_seconds": round(ttft[len(ttft) // 2], 4),
+        "p90_ttft_seconds": round(ttft[min(len(ttft) - 1, len(ttft) * 9 // 10)], 4),
+        "output_tok_per_s": round(sum(seq.num_output_tokens for seq in seqs) / seconds, 1),
+        "seconds": round(seconds, 3),
+        "cached_tokens": sum(seq.num_cached_tokens for seq in seqs),
+        "prefix_cache_stats": {k: v - stats_before.get(k, 0) if k.endswith(
+            ("queries", "tokens", "saved", "restored", "evicted")) else v
+            for k, v in stats.items()},
+        "commit": commit(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="a checkpoint directory (default: the 35B-A3B "
+                        "geometry with random weights)")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="cut the default geometry to this many layers")
+    parser.add_argument("--modes", default="off,on", help="comma-separated: off, on")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--system-tokens", type=int, default=4000)
+    parser.add_argument("--suffix-tokens", type=int, default=200)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--state-slots", type=int, default=64,
+                        help="prefix_state_cache_slots with the cache on")
+    parser.add_argument("--interval-blocks", type=int, default=1,
+                        help="prefix_state_interval_blocks")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--cold", action="store_true", help="no request primes the cache")
+    args = parser.parse_args()
+    if args.model:
+        model_dir, args.load_format = args.model, "auto"
+    else:
+        model_dir, args.load_format = write_config(QWEN3_5_35B_A3B, args.num_layers), "dummy"
+    for mode in args.modes.split(","):
+        if mode not in ("on", "off"):
+            parser.error(f"--modes takes on and off, not {mode!r}")
+        print(json.dumps(run(model_dir, mode == "on", args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

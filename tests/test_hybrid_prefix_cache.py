@@ -1,0 +1,175 @@
+"""Exact prefix caching for hybrid models (Qwen3.5, Qwen3-Next; issue 26): recurrent-state
+checkpoints at KV block boundaries (``qllm.cache.state_checkpoints``). With the cache on,
+greedy tokens equal the cache-off run for shared-prefix workloads, hits at and between
+checkpoints, under preemption, eviction and slot reuse; a restored state is bit-equal to the
+same prefix computed afresh. CPU, fp32, tiny random checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_cache_free, random_prompts
+from qllm import LLM, SamplingParams
+
+qwen3_5_testing = pytest.importorskip("qllm_qwen3_5.testing")
+
+BLOCK = 16
+ENGINE = dict(block_size=BLOCK, max_model_len=320, num_kv_blocks=128)
+CACHED = dict(prefix_state_cache_slots=16)
+OFF = dict(enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with qwen3_5_testing.torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+def checkpoint(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(f"{request.param}-prefix"))
+    qwen3_5_testing.save_checkpoint(request.param, path, seed=2)
+    return path
+
+
+def shared_prefix_prompts(seed: int = 5) -> list[list[int]]:
+    """Prompts sharing a 70-token system prompt (4 full blocks and 6 tokens), and some
+    sharing only 40 or 32 of its tokens (hits between and at checkpoints)."""
+    system, *suffixes = random_prompts([70, 9, 30, 1, 17, 50, 5, 22], seed=seed)
+    prompts = [system + s for s in suffixes[:5]]
+    prompts.append(system[:40] + suffixes[5])   # KV hit at 32 (40 is mid-block)
+    prompts.append(system[:32] + suffixes[6])   # shares exactly two blocks
+    prompts.append(system[:64])                 # a prefix of the system prompt itself
+    return prompts
+
+
+def greedy(max_tokens):
+    if isinstance(max_tokens, int):
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [greedy(n) for n in max_tokens]
+
+
+def serve(llm, prompts, params):
+    """The first prompt alone (it fills the cache), then the rest together."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    first = llm.generate(prompts[:1], params[:1], use_tqdm=False)
+    return first + llm.generate(prompts[1:], params[1:], use_tqdm=False)
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param({}, id="every-block"),
+    pytest.param({"prefix_state_interval_blocks": 2}, id="every-2nd-block"),
+    pytest.param({"max_num_seqs": 2, "max_num_batched_tokens": 40}, id="slot-reuse-chunked"),
+    pytest.param({"async_scheduling": False}, id="sync"),
+])
+def test_greedy_tokens_equal_the_cache_off_run(checkpoint, options):
+    prompts = shared_prefix_prompts()
+    params = greedy([12, 20, 5, 16, 9, 30, 8, 11])
+    expected = serve(LLM(checkpoint, **ENGINE, **OFF, **options), prompts, params)
+    llm = LLM(checkpoint, **ENGINE, **CACHED, **options)
+    assert llm.engine.cache.prefix_caching
+    outputs = serve(llm, prompts, params)
+    for prompt, out, ref in zip(prompts, outputs, expected):
+        assert out["token_ids"] == ref["token_ids"], f"prompt of {len(prompt)} diverged"
+    cached = [out["num_cached_tokens"] for out in outputs]
+    assert all(n % BLOCK == 0 for n in cached)
+    assert cached[0] == 0 and min(cached[1:6]) >= 32, cached
+    assert cached[6] == 32  # two blocks shared: a hit exactly at a checkpoint
+    stats = llm.engine.cache.prefix_cache_stats()
+    assert stats["hit_tokens"] >= sum(cached[1:])
+    assert stats["state_checkpoints_restored"] >= 6
+    assert stats["state_checkpoints_saved"] > 0
+    if options.get("prefix_state_interval_blocks") == 2:
+        # system[:40] has a KV hit of 32 = a checkpoint; the 70-token prompts hit 64 (the
+        # grid); system[:64]'s KV hit of 48 falls back to the checkpoint at 32
+        assert cached[7] == 32 and stats["recomputed_tokens"] >= 16
+    assert_cache_free(llm)
+
+
+def test_off_by_default_for_hybrid_models(checkpoint):
+    llm = LLM(checkpoint, **ENGINE)
+    assert not llm.engine.cache.prefix_caching
+    out = serve(llm, shared_prefix_prompts(), greedy(3))
+    assert all(o["num_cached_tokens"] == 0 for o in out)
+
+
+def test_preemption(checkpoint):
+    """A tight KV budget preempts sequences mid-decode; readmitted, they hit their own
+    prefix (KV plus a state checkpoint) and still produce the cache-off tokens."""
+    prompts = shared_prefix_prompts(seed=6)
+    params = greedy([40, 64, 20, 50, 33, 64, 45, 30])
+    tight = {**ENGINE, "max_model_len": 192, "num_kv_blocks": 14, "max_num_seqs": 4}
+    expected = serve(LLM(checkpoint, **tight, **OFF), prompts, params)
+    llm = LLM(checkpoint, **tight, **CACHED)
+    outputs = serve(llm, prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in expected]
+    assert_cache_free(llm)
+
+
+def test_eviction(checkpoint):
+    """Two checkpoint rows for many prefixes: LRU eviction, and checkpoints dropped with
+    their KV blocks; tokens unchanged."""
+    prompts = random_prompts([40, 55, 33, 70, 48, 36], seed=7)
+    prompts += [p[:33] + [5, 6, 7] for p in prompts[:3]]  # back to evicted prefixes
+    params = greedy(10)
+    small = {**ENGINE, "num_kv_blocks": 40}
+    expected = [LLM(checkpoint, **small, **OFF).generate([p], params, use_tqdm=False)[0]
+                for p in prompts]
+    llm = LLM(checkpoint, **small, prefix_state_cache_slots=2)
+    outputs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in expected]
+    stats = llm.engine.cache.prefix_cache_stats()
+    assert stats["state_checkpoints_evicted"] > 0 and stats["state_checkpoints"] <= 2
+    # forgetting the cached KV blocks drops every checkpoint that pairs with them
+    llm.engine.cache.pools["paged_kv"].manager.reset_prefix_cache()
+    assert llm.engine.cache.prefix_cache_stats()["state_checkpoints"] == 0
+    assert_cache_free(llm)
+
+
+def slot_state(engine, seq) -> list[torch.Tensor]:
+    pool = engine.cache.pools["recurrent_slot"]
+    slot = pool.slot(seq)
+    return [t[slot].clone() for t in pool.storage]
+
+
+def test_restored_state_is_bit_equal_to_recomputed(checkpoint):
+    """The state copied into a new sequence's slot at a hit equals, bit for bit, the state
+    after the same prefix computed afresh (chunk by chunk, as the cache computed it)."""
+    prompt, other = random_prompts([70, 12], seed=8)
+    llm = LLM(checkpoint, **ENGINE, **CACHED, async_scheduling=False)
+    llm.generate([prompt], greedy(2), use_tqdm=False)
+    engine = llm.engine
+    seq = engine.add_request(prompt[:48] + other, greedy(2))
+    batch = engine.scheduler.schedule()  # admission restores the checkpoint after 48 tokens
+    assert seq.num_cached_tokens == 48 and batch.num_tokens == [len(other)]
+    restored = slot_state(engine, seq)
+    engine.abort(seq.request_id)
+    assert_cache_free(llm)
+
+    fresh = LLM(checkpoint, **ENGINE, **OFF, async_scheduling=False,
+                max_num_batched_tokens=BLOCK).engine
+    seq = fresh.add_request(prompt[:48] + other, greedy(2))
+    for _ in range(3):  # 16 tokens a step, as the cache-on engine computed the prefix
+        fresh.step()
+    assert seq.num_computed_tokens == 48
+    recomputed = slot_state(fresh, seq)
+    assert all(torch.equal(a, b) for a, b in zip(restored, recomputed))
+    assert any(a.abs().sum() > 0 for a in restored)
+
+
+def test_metrics_render_the_prefix_cache_counters(checkpoint):
+    from qllm.server.metrics import ServerMetrics
+
+    llm = LLM(checkpoint, **ENGINE, **CACHED)
+    serve(llm, shared_prefix_prompts(), greedy(2))
+    metrics = ServerMetrics()
+    metrics.set_prefix_cache_stats(llm.engine.cache.prefix_cache_stats())
+    text = metrics.render()
+    stats = llm.engine.cache.prefix_cache_stats()
+    assert f"qllm_prefix_cache_hit_tokens_total {stats['hit_tokens']}" in text
+    assert "qllm_prefix_cache_recomputed_tokens_total " in text
+    assert "# TYPE qllm_prefix_cache_state_checkpoints gauge" in text
+    assert f"qllm_prefix_cache_state_checkpoint_capacity {CACHED['prefix_state_cache_slots']}" \
+        in text
