@@ -112,6 +112,27 @@ class InputProcessor:
         return None
 
 
+def items_of(media: dict[str, list[Any]], modality: str, noun: str) -> list[Any]:
+    """The items of the one ``modality`` a model takes (``noun`` in messages: "images");
+    ``MediaError`` naming any other modality in ``media``."""
+    unknown = sorted(set(media) - {modality})
+    if unknown:
+        raise MediaError(f"this model takes {noun}, not {', '.join(unknown)}")
+    return media.get(modality, [])
+
+
+def placeholder_slots(token_ids: list[int], token_id: int, num_items: int, kind: str,
+                      token: str, items: str) -> list[int]:
+    """Indices of the ``token_id`` placeholders in ``token_ids``; ``MediaError`` unless there
+    is one per item (messages name the ``kind`` of placeholder, its ``token`` text and the
+    ``items``, e.g. "image", "<|image_pad|>", "image(s)")."""
+    slots = [i for i, t in enumerate(token_ids) if t == token_id]
+    if len(slots) != num_items:
+        raise MediaError(f"the prompt holds {len(slots)} {kind} placeholder(s) ({token}) but "
+                         f"{num_items} {items} were given")
+    return slots
+
+
 def rotary_positions(mm: MultimodalInputs | None, start: int, end: int,
                      axes: int) -> list[list[int]]:
     """Positions ``[axes][end - start]`` of tokens ``start .. end - 1`` of a sequence."""

@@ -10,7 +10,7 @@ frame (13 per second of audio, ``qllm_qwen3.asr.audio_token_count``).
 from __future__ import annotations
 
 from qllm.multimodal import EncoderInput, InputProcessor, MediaError, MultimodalInputs, \
-    content_hash
+    content_hash, items_of, placeholder_slots
 
 from qllm_qwen3.asr import audio_token_count
 
@@ -66,21 +66,15 @@ class Qwen3ASRInputProcessor(InputProcessor):
         return text.split(ASR_TEXT, 1)[-1].strip()
 
     def _slots(self, token_ids: list[int], num_clips: int) -> list[int]:
-        slots = [i for i, t in enumerate(token_ids) if t == self.audio_token_id]
-        if len(slots) != num_clips:
-            raise MediaError(f"the prompt holds {len(slots)} audio placeholder(s) "
-                             f"(<|audio_pad|>) but {num_clips} audio clip(s) were given")
-        return slots
+        return placeholder_slots(token_ids, self.audio_token_id, num_clips, "audio",
+                                 "<|audio_pad|>", "audio clip(s)")
 
     def positions(self, token_ids: list[int]) -> MultimodalInputs | None:
         self._slots(token_ids, 0)
         return None
 
     def process(self, token_ids, media):
-        unknown = sorted(set(media) - {"audio"})
-        if unknown:
-            raise MediaError(f"this model takes audio, not {', '.join(unknown)}")
-        clips = media.get("audio", [])
+        clips = items_of(media, "audio", "audio")
         slots = self._slots(token_ids, len(clips))
         if not clips:
             return list(token_ids), None

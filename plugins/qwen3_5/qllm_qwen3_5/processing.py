@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from qllm.multimodal import EncoderInput, InputProcessor, MediaError, MultimodalInputs, \
-    content_hash
+    content_hash, items_of, placeholder_slots
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -44,21 +44,15 @@ class Qwen3_5InputProcessor(InputProcessor):
     def _check_placeholders(self, token_ids: list[int], num_images: int) -> list[int]:
         if self.video_token_id is not None and self.video_token_id in token_ids:
             raise MediaError("video inputs are not supported (the prompt holds <|video_pad|>)")
-        slots = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        if len(slots) != num_images:
-            raise MediaError(f"the prompt holds {len(slots)} image placeholder(s) "
-                             f"(<|image_pad|>) but {num_images} image(s) were given")
-        return slots
+        return placeholder_slots(token_ids, self.image_token_id, num_images, "image",
+                                 "<|image_pad|>", "image(s)")
 
     def positions(self, token_ids: list[int]) -> MultimodalInputs | None:
         self._check_placeholders(token_ids, 0)
         return None
 
     def process(self, token_ids, media):
-        unknown = sorted(set(media) - {"image"})
-        if unknown:
-            raise MediaError(f"this model takes images, not {', '.join(unknown)}")
-        images = media.get("image", [])
+        images = items_of(media, "image", "images")
         slots = self._check_placeholders(token_ids, len(images))
         if not images:
             return list(token_ids), None
