@@ -159,6 +159,17 @@ def test_triton_interpreter():
     run_interpreted_tests(__file__)
 
 
+def check_w8a16(shape: tuple[int, int, int], dtype: torch.dtype):
+    """The W8A16 linear op at ``(m, n, k)``, with bias, against its reference; returns the
+    input and the unquantized weight ``(x [m, k], w [n, k])``."""
+    m, n, k = shape
+    x, w, b = _x(m, k, dtype), _weights(n, k), torch.randn(n).to(dtype)
+    q, scale = quant.quantize_int8_rows(w)
+    _close(ops.linear_w8a16(x, q, scale, b), quant.linear_w8a16(x.float(), q, scale, b.float()),
+           dtype)
+    return x, w
+
+
 GEMV_SHAPES = {"m1-n40-k96": (1, 40, 96), "m3-n33-k64": (3, 33, 64)}
 GEMM_SHAPES = {"m9-n70-k96": (9, 70, 96), "m20-n64-k128": (20, 64, 128)}
 
@@ -168,11 +179,7 @@ GEMM_SHAPES = {"m9-n70-k96": (9, 70, 96), "m20-n64-k128": (20, 64, 128)}
 @pytest.mark.parametrize("shape", GEMV_SHAPES.values(), ids=GEMV_SHAPES.keys())
 def test_interpreted_gemv(shape, dtype):
     """The GEMV (no ``tl.dot``: bf16 runs in the interpreter) through the ops, with bias."""
-    m, n, k = shape
-    x, w, b = _x(m, k, dtype), _weights(n, k), torch.randn(n).to(dtype)
-    q, scale = quant.quantize_int8_rows(w)
-    _close(ops.linear_w8a16(x, q, scale, b), quant.linear_w8a16(x.float(), q, scale, b.float()),
-           dtype)
+    x, w = check_w8a16(shape, dtype)
     qf, sf = quant.quantize_fp8_blocks(w, BLOCK)
     _close(ops.linear_fp8_block(x, qf, sf, None, *BLOCK),
            quant.linear_fp8_block(x.float(), qf, sf, None, *BLOCK), dtype)
@@ -183,11 +190,7 @@ def test_interpreted_gemv(shape, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("shape", GEMM_SHAPES.values(), ids=GEMM_SHAPES.keys())
 def test_interpreted_w8a16_gemm(shape, dtype):
-    m, n, k = shape
-    x, w, b = _x(m, k, dtype), _weights(n, k), torch.randn(n).to(dtype)
-    q, scale = quant.quantize_int8_rows(w)
-    _close(ops.linear_w8a16(x, q, scale, b), quant.linear_w8a16(x.float(), q, scale, b.float()),
-           dtype)
+    check_w8a16(shape, dtype)
 
 
 def check_group_quant(x: torch.Tensor, interpreter: bool) -> None:
