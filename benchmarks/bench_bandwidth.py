@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from report import print_table
-from timing import time_ms
+from qllm.testing.benchmarking import print_table, time_ms
+
 
 BUFFER_BYTES = 1 << 30
 HIDDEN = 2048  # the expert GEMM's reduction length (hidden size), as in Qwen3.5-35B-A3B

@@ -24,14 +24,13 @@ import argparse
 import torch
 
 from qllm.ops import norm, rope
+from qllm.testing.benchmarking import print_table, time_ms
 from qllm_kernels_attention import ops as attention_ops
 from qllm_kernels_attention.testing import qk_inputs
 from qllm_kernels_gdn import ops as gdn_ops
 from qllm_kernels_gdn.testing import norm_inputs
 from qllm_kernels_linear import ops as linear_ops
 from qllm_kernels_linear.testing import norm_inputs as add_norm_inputs
-from report import print_table
-from timing import time_ms
 
 DTYPE = torch.bfloat16
 PEAK_GBPS = 4300.0

@@ -70,35 +70,41 @@ run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, print the last lin
 for stage in "$@"; do
     case $stage in
         gpu-tests) run gpu_tests 480 python3 -m pytest $PYTEST_GPU --timeout 300 \
-                       tests/test_gpu_qwen3_5.py tests/test_gpu_qwen3.py ;;
+                       plugins/qwen3_5/tests/test_gpu_qwen3_5.py \
+                       plugins/qwen3/tests/test_gpu_qwen3.py ;;
         kernel-tests) run kernel_tests 300 python3 -m pytest $PYTEST_GPU \
-                          tests/test_kernels_moe.py tests/test_kernels_gdn.py ;;
-        moe-tests) run moe_tests 200 python3 -m pytest $PYTEST_GPU -x tests/test_kernels_moe.py ;;
+                          plugins/kernels_moe/tests/test_kernels_moe.py \
+                          plugins/kernels_gdn/tests/test_kernels_gdn.py ;;
+        moe-tests) run moe_tests 200 python3 -m pytest $PYTEST_GPU -x \
+                       plugins/kernels_moe/tests/test_kernels_moe.py ;;
         quick-kernel-tests) run quick_kernel_tests 300 python3 -m pytest $PYTEST_GPU \
-                                tests/test_kernels_moe.py tests/test_kernels_gdn.py \
-                                tests/test_kernels_attention.py -k \
+                                plugins/kernels_moe/tests/test_kernels_moe.py \
+                                plugins/kernels_gdn/tests/test_kernels_gdn.py \
+                                plugins/kernels_attention/tests/test_kernels_attention.py -k \
                                 "(triton_align or cuda_graph or compiled or test_parity or every_table or forced or conv_ or gdn_prefill_parity or gdn_decode_parity or rms_norm_gated or qk_norm_rope) and not interpreted" ;;
         attention-tests) run attention_tests 300 python3 -m pytest $PYTEST_GPU \
-                             tests/test_kernels_attention.py ;;
+                             plugins/kernels_attention/tests/test_kernels_attention.py ;;
         linear-tests) run linear_tests 300 python3 -m pytest $PYTEST_GPU \
-                          tests/test_kernels_linear.py ;;
+                          plugins/kernels_linear/tests/test_kernels_linear.py ;;
         int8-tests) run int8_tests 300 python3 -m pytest $PYTEST_GPU \
-                        tests/test_kernels_int8.py tests/test_int8_accuracy.py \
+                        plugins/kernels_int8/tests/test_kernels_int8.py \
+                        plugins/kernels_int8/tests/test_int8_accuracy.py \
                         tests/test_weight_formats.py ;;
         config-tests) run config_tests 200 python3 -m pytest $PYTEST_GPU \
-                          -m cuda tests/test_qwen3_5_configs.py ;;
-        kernels) run bench_attention 100 python3 benchmarks/bench_attention.py
-                 run bench_moe 100 python3 benchmarks/bench_moe.py
-                 run bench_gdn 100 python3 benchmarks/bench_gdn.py
-                 run bench_linear 100 python3 benchmarks/bench_linear.py
+                          -m cuda plugins/qwen3_5/tests/test_qwen3_5_configs.py ;;
+        kernels) run bench_attention 100 python3 plugins/kernels_attention/benchmarks/bench_attention.py
+                 run bench_moe 100 python3 plugins/kernels_moe/benchmarks/bench_moe.py
+                 run bench_gdn 100 python3 plugins/kernels_gdn/benchmarks/bench_gdn.py
+                 run bench_linear 100 python3 plugins/kernels_linear/benchmarks/bench_linear.py
                  run bench_norms 100 python3 benchmarks/bench_norms.py ;;
         bandwidth) TAIL=${TAIL:-30} run bench_bandwidth 200 python3 benchmarks/bench_bandwidth.py ;;
         bench-linear) TAIL=${TAIL:-12} run bench_linear_sweep 480 python3 \
-                          benchmarks/bench_linear.py --sweep ;;
+                          plugins/kernels_linear/benchmarks/bench_linear.py --sweep ;;
         bench-linear-1) TAIL=${TAIL:-6} run bench_linear_sweep_1 480 python3 \
-                            benchmarks/bench_linear.py --sweep --rows 1 ;;
+                            plugins/kernels_linear/benchmarks/bench_linear.py --sweep --rows 1 ;;
         bench-linear-200) TAIL=${TAIL:-14} run bench_linear_200 300 python3 \
-                              benchmarks/bench_linear.py --rows 200 --inductor ;;
+                              plugins/kernels_linear/benchmarks/bench_linear.py --rows 200 \
+                              --inductor ;;
         w1) run w1 300 python3 benchmarks/throughput.py --workload w1 \
                 --profile-decode 256 1100 --profile-out "$out" ;;
         w1-peer) run w1_peer 200 python3 benchmarks/throughput.py --workload w1 \
@@ -127,7 +133,8 @@ for stage in "$@"; do
                            --max-num-seqs 200 --max-model-len 3072 ;;
         profile-w3) run profile_w3 150 python3 benchmarks/profile_step.py --workload w3 \
                         --batch 1 --context 512 --recurrent-state-dtype bfloat16 --out "$out" ;;
-        tune-moe) run tune_moe 420 python3 benchmarks/bench_moe.py --tune --grid ${TUNE_GRID:-quick} \
+        tune-moe) run tune_moe 420 python3 plugins/kernels_moe/benchmarks/bench_moe.py --tune \
+                      --grid ${TUNE_GRID:-quick} \
                       --tokens ${TUNE_TOKENS:-1 256} --block-m ${TUNE_BLOCK_M:-1 16 32 64 128}
                   cp plugins/kernels_moe/qllm_kernels_moe/configs/*.json "$out"/moe_configs.json ;;
         w3) run w3 200 python3 benchmarks/throughput.py --workload w3 --max-num-seqs 1 \
@@ -157,7 +164,8 @@ for stage in "$@"; do
                      --launch-skip 3 --launch-count 1 --section SpeedOfLight \
                      --section MemoryWorkloadAnalysis --section Occupancy \
                      --section WarpStateStats --section SchedulerStats \
-                     python3 benchmarks/bench_gdn.py --sweep-decode --batches 200 \
+                     python3 plugins/kernels_gdn/benchmarks/bench_gdn.py --sweep-decode \
+                     --batches 200 \
                      --ssm-dtype bfloat16 --slots consecutive ;;
         state-dtype) run state_dtype 200 python3 benchmarks/state_dtype_accuracy.py \
                          --device cuda --dtype bfloat16 --real-geometry-layers 4 ;;

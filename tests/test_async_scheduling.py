@@ -7,9 +7,9 @@ import collections
 
 import pytest
 
-from helpers import assert_cache_free, random_prompts
 from qllm import LLM, SamplingParams
 from qllm.runner.model_runner import SampledStep
+from qllm.testing import assert_cache_free, random_prompts
 
 ENGINE = dict(block_size=16, max_model_len=256)
 

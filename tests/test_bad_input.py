@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import assert_cache_free, random_prompts
 from qllm import LLM, SamplingParams
 from qllm.loader import CheckpointError
 from qllm.plugins import UnknownArchitectureError
+from qllm.testing import assert_cache_free, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 

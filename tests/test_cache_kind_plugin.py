@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import assert_cache_free, random_prompts, with_decode_graphs
 from qllm import LLM, SamplingParams
 from qllm.cache.base import CachePool, CacheTooSmallError, StepFields
 from qllm.engine.sequence import Sequence
 from qllm.hookspecs import hookimpl
 from qllm.plugins import PluginRegistry
 from qllm.specs import CacheKindSpec, CacheRequirement, LayerKindSpec, ModelSpec
+from qllm.testing import assert_cache_free, random_prompts, with_decode_graphs
 
 PAGE = 4  # tokens per probe page
 

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from helpers import require_qwen3_plugin
 from qllm import LLM, SamplingParams, __version__
 from qllm.cli import main
+from qllm.testing import require_qwen3_plugin
 
 
 def test_generate_prints_text_and_throughput(qwen3_tokenizer_model_dir, capsys):

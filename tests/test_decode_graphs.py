@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_cache_free, random_prompts, with_decode_graphs
 from qllm import LLM, SamplingParams
 from qllm.engine.scheduler import ScheduledBatch
+from qllm.testing import assert_cache_free, random_prompts, with_decode_graphs
 
 
 @pytest.fixture(params=["qwen3", "qwen3_5_moe"])

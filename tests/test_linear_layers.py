@@ -8,13 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import save_tiny_qwen3
 from qllm import LLM, SamplingParams
 from qllm.hookspecs import hookimpl
 from qllm.layers.linear import Linear, PackedLinear
 from qllm.ops import linear as reference
 from qllm.plugins import PluginRegistry
 from qllm.specs import KernelSpec
+from qllm.testing import save_tiny_qwen3
 
 
 class RecordingLinear:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_cache_free, random_prompts, with_decode_graphs
 from qllm import LLM, Logprob, SamplingParams
 from qllm.layers.logprobs import token_logprobs, unpack
+from qllm.testing import assert_cache_free, random_prompts, with_decode_graphs
 
 TOLERANCE = 1e-4
 

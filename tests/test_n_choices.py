@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import assert_cache_free, random_prompts
 from qllm import LLM, SamplingParams
+from qllm.testing import assert_cache_free, random_prompts
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_cache_free, random_prompts
 from qllm import LLM, SamplingParams
 from qllm.layers.penalties import LogitsAdjustments, apply_penalties
+from qllm.testing import assert_cache_free, random_prompts
 
 CPU = torch.device("cpu")
 VOCAB = 30

@@ -17,11 +17,12 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("PIL", reason="image prompts need Pillow")
 pytest.importorskip("python_multipart", reason="transcriptions need python-multipart")
 testing = pytest.importorskip("qllm_qwen3_5.testing")
+pytest.importorskip("qllm_qwen3.testing")
 
 from server_fixtures import check_error_body, running_server, server, tiny_model_dir  # noqa: E402,F401
-from test_qwen3_asr import RATE, save_asr_checkpoint, sweep  # noqa: E402
 
 from qllm import LLM, SamplingParams  # noqa: E402
+from qllm_qwen3.testing import RATE, save_asr_checkpoint, sweep  # noqa: E402
 
 VISION_ENGINE = {"block_size": 16, "max_model_len": 512, "num_kv_blocks": 96}
 # room for ~30 generated tokens after the clip's prompt: transcripts run to max_model_len

@@ -5,8 +5,8 @@ outputs."""
 
 from __future__ import annotations
 
-from helpers import assert_cache_free, random_prompts
 from qllm import LLM, SamplingParams
+from qllm.testing import assert_cache_free, random_prompts
 
 
 def test_warm_up_runs_full_prefill_then_ladder_and_leaves_nothing_behind(qwen3_dir, monkeypatch):

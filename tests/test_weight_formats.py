@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import prefill_logits, require_qwen3_plugin
 from qllm import LLM
 from qllm.hookspecs import hookimpl
 from qllm.layers.linear import Linear
@@ -21,6 +20,7 @@ from qllm.plugins import PluginRegistry
 from qllm.quantization import (UnknownWeightFormatError, WeightFormat, row_runs,
                                swap_modules)
 from qllm.specs import KernelSpec, WeightFormatSpec
+from qllm.testing import prefill_logits, require_qwen3_plugin
 
 UNIT = 1024.0
 

@@ -24,8 +24,9 @@ over several runs with ``--tokens`` and ``--block-m``: an entry records its time
 ``--grid quick`` tries fewer tiles; ``--grid decode`` the tiles of weight-streaming decode
 batches.
 
-    python benchmarks/bench_moe.py [--impl triton torch]
-    python benchmarks/bench_moe.py --tune [--grid quick|decode] [--tokens 1 2 4 8 ... 4096]
+    python plugins/kernels_moe/benchmarks/bench_moe.py [--impl triton torch]
+    python plugins/kernels_moe/benchmarks/bench_moe.py \
+        --tune [--grid quick|decode] [--tokens 1 2 4 8 ... 4096]
         [--block-m 1 16 32 64 128]
 """
 
@@ -39,6 +40,7 @@ from pathlib import Path
 import torch
 import triton
 
+from qllm.testing.benchmarking import print_table, time_ms
 from qllm_kernels_moe import ops
 from qllm_kernels_moe.align import moe_align
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, config_path, get_config, load_table
@@ -47,8 +49,6 @@ from qllm_kernels_moe.triton_align import moe_align_triton
 from qllm_kernels_moe.triton_moe import down, fused_moe_triton, gate_up
 from qllm_kernels_moe.triton_slot_moe import slot_down, slot_gate_up
 from qllm_qwen3_5.moe import fused_moe as torch_fused_moe
-from report import print_table
-from timing import time_ms
 
 EXPERTS, TOP_K, HIDDEN, INTER, DTYPE = 256, 8, 2048, 512, torch.bfloat16
 PEAK_GBPS = 4300.0

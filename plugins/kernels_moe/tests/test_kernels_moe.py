@@ -21,8 +21,8 @@ pytest.importorskip("qllm_kernels_moe")
 reference = pytest.importorskip("qllm_qwen3_5.moe")
 
 # after the skips above, so the suite runs where the plugin is not installed
-from kernel_testing import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
-                            interpreted, interpreter_driver, run_interpreted_tests)
+from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
+                                  interpreted, interpreter_driver, run_interpreted_tests)
 from qllm.plugins import PluginRegistry  # noqa: E402
 from qllm_kernels_moe import ops, plugin  # noqa: E402
 from qllm_kernels_moe.align import max_padded_slots, moe_align  # noqa: E402

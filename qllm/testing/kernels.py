@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import triton_launches
+from qllm.testing import triton_launches
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Before 3.7 the interpreter calls int() on 1-element arrays, which NumPy >= 2.4 refuses.
@@ -53,7 +53,7 @@ def run_interpreted_tests(test_file: str, *pytest_args: str) -> None:
         assert " passed" in result.stdout and " failed" not in result.stdout
         assert log.exists(), "the interpreted tests launched no qllm kernel"
         env = {key: value for key, value in env.items() if key != "TRITON_INTERPRET"}
-        compiled = subprocess.run([sys.executable, triton_launches.__file__, str(log)],
+        compiled = subprocess.run([sys.executable, "-m", triton_launches.__name__, str(log)],
                                   env=env, capture_output=True, text=True, timeout=900)
         assert compiled.returncode == 0, compiled.stdout[-6000:] + compiled.stderr[-3000:]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_cache_free, prefill_logits, random_prompts
 from qllm import LLM, SamplingParams
+from qllm.testing import assert_cache_free, prefill_logits, random_prompts
 
 qwen3_5_testing = pytest.importorskip("qllm_qwen3_5.testing")
 

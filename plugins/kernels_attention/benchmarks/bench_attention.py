@@ -9,7 +9,8 @@ prefill runs eagerly. GB/s counts the bytes a call must move at least (every cac
 q, out) against the H200's ~4.3 TB/s; ``max_err`` is the largest difference from the
 reference. Prints a table, then one JSON object per row.
 
-    python benchmarks/bench_attention.py [--page 256] [--impl triton torch]
+    python plugins/kernels_attention/benchmarks/bench_attention.py \
+        [--page 256] [--impl triton torch]
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ import torch
 from triton.testing import do_bench
 
 from qllm.ops import attention
+from qllm.testing.benchmarking import graphed, print_table
 from qllm_kernels_attention import ops
 from qllm_kernels_attention.testing import PagedInputs, paged_inputs
-from report import print_table
-from timing import graphed
 
 Q_HEADS, KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, torch.bfloat16
 PEAK_GBPS = 4300.0

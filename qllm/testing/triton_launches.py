@@ -6,7 +6,8 @@ test and still fail to compile on the GPU. ``record_launches``, switched on in t
 run by ``LOG_ENV``, writes each launch of a qllm kernel as a JSON line: the kernel, its
 argument types, its constexpr values and the launch options. ``compile_launches`` then compiles
 each distinct launch through Triton's ahead-of-time path for an sm_90 target (the triton wheel
-ships ptxas), without a GPU. Run as a script on a log: ``python tests/triton_launches.py LOG``.
+ships ptxas), without a GPU. Run as a script on a log:
+``python -m qllm.testing.triton_launches LOG``.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ import os
 import pytest
 import torch
 
-from helpers import prefill_logits, require_qwen3_plugin, save_tiny_qwen3
 from qllm import LLM, SamplingParams
+from qllm.testing import prefill_logits, require_qwen3_plugin, save_tiny_qwen3
 
 pytest.importorskip("qllm_kernels_int8")
 from qllm_kernels_int8.layers import QuantizedExperts, QuantizedLinear  # noqa: E402

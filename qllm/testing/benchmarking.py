@@ -1,12 +1,32 @@
-"""The micro-benchmarks' report: a fixed-width table for reading, then one JSON line per row
-for tools."""
+"""The kernel micro-benchmarks' timing (``triton.testing.do_bench``, eager or as a CUDA-graph
+replay) and report: a fixed-width table for reading, then one JSON line per row for tools."""
 
 from __future__ import annotations
 
 import json
 
+import torch
+
 # (row key, column title, width, number format); a format of None is a left-aligned text column
 Column = tuple[str, str, int, str | None]
+
+
+def graphed(call):
+    """``call`` captured in a CUDA graph (already warmed up); returns its replay."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
+def time_ms(call, graph: bool, rep: int = 100) -> float:
+    """Median ms of ``call`` (run once first, to compile) over ``rep`` ms of runs of
+    ``triton.testing.do_bench`` (the L2 cache flushed before each), as a CUDA-graph replay or
+    eagerly."""
+    from triton.testing import do_bench
+
+    call()
+    return do_bench(graphed(call) if graph else call, rep=rep, return_mode="median")
 
 
 def print_table(rows: list[dict], columns: list[Column]) -> None:

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random checkpoints written by transformers, with perturbed weights."""
+"""Fixtures of every test folder (``tests/`` and each ``plugins/*/tests``): tiny random
+checkpoints written by transformers, with perturbed weights."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ import sys
 import pytest
 import torch
 
-from helpers import require_qwen3_plugin, save_tiny_qwen3
 from qllm.default_model import qwen3_tokenizer_dir
-from triton_launches import LOG_ENV, record_launches
+from qllm.testing import require_qwen3_plugin, save_tiny_qwen3
+from qllm.testing.triton_launches import LOG_ENV, record_launches
 
 
 def pytest_configure(config):
-    if os.environ.get(LOG_ENV):  # the interpreter run of kernel_testing.run_interpreted_tests
+    if os.environ.get(LOG_ENV):  # the interpreter run of qllm.testing.kernels.run_interpreted_tests
         record_launches(os.environ[LOG_ENV])
     if not torch.cuda.is_available():
         # transformers' Qwen3.5 / Qwen3-Next use fla's Triton kernels whenever `fla` imports,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_cache_free
+from qllm.testing import assert_cache_free
 
 pytest.importorskip("PIL", reason="image prompts need Pillow")
 testing = pytest.importorskip("qllm_qwen3_5.testing")

@@ -30,9 +30,9 @@ pytest.importorskip("qllm_kernels_gdn")
 # after the skip above, so the suite runs where the plugin is not installed
 from qllm.ops import gdn as reference  # noqa: E402
 from qllm.ops import norm as norm_reference  # noqa: E402
-from kernel_testing import (HAS_TRITON, INTERPRETING, called_ops, cuda,  # noqa: E402
-                            graphs_traced_by, interpreted, interpreter_driver,
-                            run_interpreted_tests)
+from qllm.testing.kernels import (HAS_TRITON, INTERPRETING, called_ops, cuda,  # noqa: E402
+                                  graphs_traced_by, interpreted, interpreter_driver,
+                                  run_interpreted_tests)
 from qllm.plugins import PluginRegistry  # noqa: E402
 from qllm.runner.batch import ForwardBatch  # noqa: E402
 from qllm_kernels_gdn import ops, plugin  # noqa: E402

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 pytest.importorskip("qllm_kernels_linear")
 
 # after the skip above, so the suite runs where the plugin is not installed
-from kernel_testing import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
-                            interpreted, interpreter_driver, run_interpreted_tests)
+from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
+                                  interpreted, interpreter_driver, run_interpreted_tests)
 from qllm.ops import norm  # noqa: E402
 from qllm.plugins import PluginRegistry  # noqa: E402
 from qllm_kernels_linear import ops, plugin  # noqa: E402

@@ -9,9 +9,9 @@ import types
 import pytest
 import torch
 
-from helpers import assert_cache_free, prefill_logits, random_prompts
 from qllm import LLM
 from qllm.loader import CheckpointError
+from qllm.testing import assert_cache_free, prefill_logits, random_prompts
 
 qwen3_5_testing = pytest.importorskip("qllm_qwen3_5.testing")
 

@@ -16,7 +16,8 @@ launch cost included); prefill runs eagerly. GB/s counts the bytes a call must m
 at decode) against the H200's ~4.3 TB/s. ``max_err`` is the largest difference from the torch
 reference's output. Prints a table, then one JSON object per row.
 
-    python benchmarks/bench_gdn.py [--impl triton torch fla] [--batches 1 16 64 200]
+    python plugins/kernels_gdn/benchmarks/bench_gdn.py \
+        [--impl triton torch fla] [--batches 1 16 64 200]
         [--ssm-dtype bfloat16] [--state-layout key-major] [--slots consecutive]
         [--sweep-decode | --sweep-conv]
 
@@ -42,11 +43,10 @@ import torch
 from triton.testing import do_bench
 
 from qllm.ops import gdn as reference
+from qllm.testing.benchmarking import graphed, print_table
 from qllm_kernels_gdn import ops
 from qllm_kernels_gdn.testing import (QWEN3_5_35B_A3B, conv_inputs, gdn_inputs, make_batch,
                                       random_batch)
-from report import print_table
-from timing import graphed
 
 GEOMETRY = QWEN3_5_35B_A3B
 DTYPE, CONV_DTYPE = torch.bfloat16, torch.bfloat16

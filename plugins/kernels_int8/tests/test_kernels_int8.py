@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("qllm_kernels_int8")
 
-from kernel_testing import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
-                            interpreted, interpreter_driver, run_interpreted_tests)
+from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
+                                  interpreted, interpreter_driver, run_interpreted_tests)
 from qllm.plugins import PluginRegistry  # noqa: E402
 from qllm_kernels_int8 import ops, plugin, quant  # noqa: E402
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig  # noqa: E402

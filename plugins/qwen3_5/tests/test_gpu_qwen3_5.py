@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from helpers import assert_cache_free, assert_same_tokens, prefill_logits, random_prompts
 from qllm import LLM, SamplingParams
 from qllm.diagnostics import teacher_forced_logits
+from qllm.testing import assert_cache_free, assert_same_tokens, prefill_logits, random_prompts
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

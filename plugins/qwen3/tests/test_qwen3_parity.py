@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_cache_free, hf_greedy, prefill_logits, random_prompts
 from qllm import LLM, SamplingParams
 from qllm.diagnostics import teacher_forced_logits
+from qllm.testing import assert_cache_free, hf_greedy, prefill_logits, random_prompts
 
 MAX_TOKENS = 64
 LENGTHS = [3, 17, 40, 64, 65, 100, 129, 200, 7, 33]

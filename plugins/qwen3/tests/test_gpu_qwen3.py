@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import (assert_greedy_equal_up_to_ties, assert_same_tokens, prefill_logits,
-                     random_prompts, save_tiny_qwen3)
 from qllm import LLM, SamplingParams
+from qllm.testing import (assert_greedy_equal_up_to_ties, assert_same_tokens, prefill_logits,
+                          random_prompts, save_tiny_qwen3)
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -20,9 +20,10 @@ the five fastest configs, the rule's (``configs.default_config``) and cuBLAS's t
 the rule. About 190 kernel variants compile on the first shapes; ``--rows`` / ``--shapes``
 split a sweep over several runs.
 
-    python benchmarks/bench_linear.py [--rows 1 2 4] [--shapes out_proj moe_input ...]
-    python benchmarks/bench_linear.py --rows 200 --inductor
-    python benchmarks/bench_linear.py --sweep [--rows 1] [--shapes out_proj]
+    python plugins/kernels_linear/benchmarks/bench_linear.py \
+        [--rows 1 2 4] [--shapes out_proj moe_input ...]
+    python plugins/kernels_linear/benchmarks/bench_linear.py --rows 200 --inductor
+    python plugins/kernels_linear/benchmarks/bench_linear.py --sweep [--rows 1] [--shapes out_proj]
 """
 
 from __future__ import annotations
@@ -35,12 +36,11 @@ import json
 import torch
 import torch.nn.functional as F
 
+from qllm.testing.benchmarking import print_table, time_ms
 from qllm_kernels_linear import ops
 from qllm_kernels_linear.configs import MAX_GEMV_ROWS, candidates, default_config
 from qllm_kernels_linear.testing import QWEN3_5_35B_A3B_SHAPES, linear_inputs
 from qllm_kernels_linear.triton_gemv import gemv
-from report import print_table
-from timing import time_ms
 
 DTYPE = torch.bfloat16
 PEAK_GBPS = 4300.0

@@ -1,8 +1,0 @@
-"""Fixtures for the pytest-benchmark suites (``pytest benchmarks/``)."""
-
-from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
