@@ -7,33 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qllm.cache.recurrent_slots import RecurrentSlotBatch
 from qllm.ops import gdn
-from qllm.runner.batch import ForwardBatch
+from qllm.testing.batch import recurrent_slot_batch
 
 HK, HV, DK, DV = 2, 4, 16, 8
 CONV_DIM, KERNEL = 12, 4
 SPLITS = [4, 4, 4]  # the conv channels as q, k, v
 NUM_SLOTS = 6
 ATOL = 1e-5
-
-
-def make_batch(query_lens, slots, has_state, is_prefill=True) -> ForwardBatch:
-    """A ForwardBatch carrying only what the GDN ops read."""
-    b = len(query_lens)
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    zeros = torch.zeros(b, dtype=torch.int32)
-    return ForwardBatch(
-        is_prefill=is_prefill,
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=zeros, context_lens=zeros,
-        logits_indices=torch.tensor(starts[1:], dtype=torch.int64) - 1,
-        caches={"recurrent_slot": RecurrentSlotBatch(
-            slots=torch.tensor(slots, dtype=torch.int64),
-            has_initial_state=torch.tensor(has_state, dtype=torch.bool))},
-        query_lens_host=list(query_lens), max_query_len=max(query_lens))
 
 
 A_LOG = torch.linspace(-1.0, 0.5, HV)  # per-head decay rates: model-like decays
@@ -107,14 +88,14 @@ def test_prefill_varlen_then_decode_equals_per_sequence_recurrence(has_state):
     lens, slots = [70, 3, 129], [4, 0, 2]
     ssm_state = random_ssm_state(gen)
     before = ssm_state.clone()
-    batch = make_batch(lens, slots, list(has_state))
+    batch = recurrent_slot_batch(lens, slots, list(has_state))
     inputs = gdn_inputs(sum(lens), gen)
     q, k, v, g, beta = rule_args(inputs)
     out = gdn.gdn_prefill(*op_args(inputs), ssm_state, batch)
     assert out.shape == (sum(lens), HV, DV)
 
     steps = [gdn_inputs(len(lens), gen) for _ in range(3)]
-    decode_batch = make_batch([1] * len(lens), slots, [True] * len(lens), is_prefill=False)
+    decode_batch = recurrent_slot_batch([1] * len(lens), slots, [True] * len(lens))
     decode_out = [gdn.gdn_decode(*op_args(step), ssm_state, decode_batch) for step in steps]
 
     start = 0
@@ -140,11 +121,12 @@ def test_split_prefill_equals_one_prefill():
     gen = torch.Generator().manual_seed(2)
     inputs = gdn_inputs(150, gen)
     whole_state, split_state = random_ssm_state(gen), torch.zeros(NUM_SLOTS + 1, HV, DK, DV)
-    whole = gdn.gdn_prefill(*op_args(inputs), whole_state, make_batch([150], [3], [False]))
+    whole = gdn.gdn_prefill(*op_args(inputs), whole_state,
+                            recurrent_slot_batch([150], [3], [False]))
     first = gdn.gdn_prefill(*op_args(tuple(x[:90] for x in inputs)), split_state,
-                            make_batch([90], [3], [False]))
+                            recurrent_slot_batch([90], [3], [False]))
     second = gdn.gdn_prefill(*op_args(tuple(x[90:] for x in inputs)), split_state,
-                             make_batch([60], [3], [True]))
+                             recurrent_slot_batch([60], [3], [True]))
     torch.testing.assert_close(torch.cat([first, second]), whole, atol=ATOL, rtol=1e-5)
     torch.testing.assert_close(split_state[3], whole_state[3], atol=ATOL, rtol=1e-5)
 
@@ -153,7 +135,7 @@ def test_decode_without_initial_state_ignores_stale_slot():
     gen = torch.Generator().manual_seed(3)
     step = gdn_inputs(2, gen)
     stale, clean = random_ssm_state(gen), torch.zeros(NUM_SLOTS + 1, HV, DK, DV)
-    batch = make_batch([1, 1], [1, 5], [False, False], is_prefill=False)
+    batch = recurrent_slot_batch([1, 1], [1, 5], [False, False])
     torch.testing.assert_close(gdn.gdn_decode(*op_args(step), stale, batch),
                                gdn.gdn_decode(*op_args(step), clean, batch), atol=0, rtol=0)
     torch.testing.assert_close(stale[[1, 5]], clean[[1, 5]], atol=0, rtol=0)
@@ -164,7 +146,7 @@ def test_bf16_inputs_keep_fp32_state():
     inputs = gdn_inputs(80, gen, dtype=torch.bfloat16)
     q, k, v, g, beta = rule_args(inputs)
     ssm_state = torch.zeros(NUM_SLOTS + 1, HV, DK, DV)
-    out = gdn.gdn_prefill(*op_args(inputs), ssm_state, make_batch([80], [0], [False]))
+    out = gdn.gdn_prefill(*op_args(inputs), ssm_state, recurrent_slot_batch([80], [0], [False]))
     assert out.dtype == torch.bfloat16 and ssm_state.dtype == torch.float32
     qq, kk = gdn.prepare_qk(q, k, HV)
     ref, state = gdn.recurrent_gated_delta_rule(qq, kk, v.float(), g, beta.float(),
@@ -185,7 +167,7 @@ def test_prefill_matches_transformers_chunk_rule(length, with_state):
     ssm_state = random_ssm_state(gen)
     init = ssm_state[2].clone()
     out = gdn.gdn_prefill(*op_args(inputs), ssm_state,
-                          make_batch([length], [2], [with_state]))
+                          recurrent_slot_batch([length], [2], [with_state]))
     ref, ref_state = qwen.torch_chunk_gated_delta_rule(
         q[None], k[None], v[None], g=g[None], beta=beta[None],
         initial_state=init[None] if with_state else None, output_final_state=True,
@@ -202,7 +184,7 @@ def test_decode_matches_transformers_recurrent_rule():
     ssm_state = random_ssm_state(gen)
     init = ssm_state[[0, 3, 6]].clone()
     out = gdn.gdn_decode(*op_args(inputs), ssm_state,
-                         make_batch([1, 1, 1], [0, 3, 6], [True] * 3, is_prefill=False))
+                         recurrent_slot_batch([1, 1, 1], [0, 3, 6], [True] * 3))
     ref, ref_state = qwen.torch_recurrent_gated_delta_rule(
         q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None],
         initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -230,11 +212,11 @@ def test_conv_prefill_then_updates_equal_full_sequence_conv(lens):
     seqs = [torch.randn(n + num_decode, CONV_DIM, generator=gen) for n in lens]
 
     packed = torch.cat([s[:n] for s, n in zip(seqs, lens)])
-    q, k, v = gdn.causal_conv1d_prefill(packed, weight, conv_state,
-                                        make_batch(lens, slots, [False] * len(lens)), SPLITS)
+    prefill_batch = recurrent_slot_batch(lens, slots, [False] * len(lens))
+    q, k, v = gdn.causal_conv1d_prefill(packed, weight, conv_state, prefill_batch, SPLITS)
     assert all(part.is_contiguous() for part in (q, k, v))
     out = torch.cat([q, k, v], dim=-1)
-    decode_batch = make_batch([1] * len(lens), slots, [True] * len(lens), is_prefill=False)
+    decode_batch = recurrent_slot_batch([1] * len(lens), slots, [True] * len(lens))
     steps = [gdn.causal_conv1d_update(torch.stack([s[n + j] for s, n in zip(seqs, lens)]),
                                       weight, conv_state, decode_batch)
              for j in range(num_decode)]
@@ -254,10 +236,12 @@ def test_conv_split_prefill_carries_state():
     weight = torch.randn(CONV_DIM, KERNEL, generator=gen)
     x = torch.randn(40, CONV_DIM, generator=gen)
     conv_state = torch.zeros(NUM_SLOTS + 1, CONV_DIM, KERNEL - 1)
-    first = torch.cat(gdn.causal_conv1d_prefill(x[:2], weight, conv_state,
-                                                make_batch([2], [0], [False]), SPLITS), -1)
-    second = torch.cat(gdn.causal_conv1d_prefill(x[2:], weight, conv_state,
-                                                 make_batch([38], [0], [True]), SPLITS), -1)
+    first_batch, second_batch = (recurrent_slot_batch([2], [0], [False]),
+                                 recurrent_slot_batch([38], [0], [True]))
+    first = torch.cat(gdn.causal_conv1d_prefill(x[:2], weight, conv_state, first_batch,
+                                                SPLITS), -1)
+    second = torch.cat(gdn.causal_conv1d_prefill(x[2:], weight, conv_state, second_batch,
+                                                 SPLITS), -1)
     torch.testing.assert_close(torch.cat([first, second]), full_conv_silu(x, weight),
                                atol=ATOL, rtol=1e-5)
 
@@ -269,7 +253,7 @@ def test_conv_prefill_matches_transformers_conv_fn():
     x = torch.randn(33, CONV_DIM, generator=gen)
     conv_state = torch.zeros(NUM_SLOTS + 1, CONV_DIM, KERNEL - 1)
     out = torch.cat(gdn.causal_conv1d_prefill(x, weight, conv_state,
-                                              make_batch([33], [0], [False]), SPLITS), -1)
+                                              recurrent_slot_batch([33], [0], [False]), SPLITS), -1)
     ref = qwen.causal_conv1d_fn(x.t()[None], weight, None, activation="silu")
     torch.testing.assert_close(out, ref[0].t(), atol=ATOL, rtol=1e-5)
 

@@ -37,3 +37,16 @@ def forward_batch(query_lens: list[int], context_lens: list[int] | None = None,
         seq_lens_host=seq_lens,
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens))
+
+
+def recurrent_slot_batch(query_lens: list[int], slots: list[int], has_state: list[bool],
+                         device: str | torch.device = "cpu") -> ForwardBatch:
+    """``forward_batch`` with the ``recurrent_slot`` fields that the Gated DeltaNet ops read:
+    sequence ``i`` in slot ``slots[i]``, starting from that slot's state when
+    ``has_state[i]`` (else from zeros)."""
+    from qllm.cache.recurrent_slots import RecurrentSlotBatch
+
+    fields = RecurrentSlotBatch(
+        slots=torch.tensor(slots, dtype=torch.int64, device=device),                 # [B]
+        has_initial_state=torch.tensor(has_state, dtype=torch.bool, device=device))  # [B]
+    return forward_batch(query_lens, caches={"recurrent_slot": fields}, device=device)

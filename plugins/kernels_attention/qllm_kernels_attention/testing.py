@@ -8,6 +8,7 @@ import torch
 
 from qllm.cache.paged_kv import PagedKVBatch
 from qllm.runner.batch import ForwardBatch
+from qllm.testing.batch import forward_batch
 
 
 @dataclass
@@ -39,9 +40,6 @@ def paged_inputs(query_lens: list[int], context_lens: list[int], q_heads: int, k
         table[i, :count] = torch.tensor(order[:count], dtype=torch.int32)
         order = order[count:]
 
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
     positions = torch.cat([torch.arange(c, c + n) for c, n in zip(context_lens, query_lens)])
     rows = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(query_lens))
     slot_mapping = table[rows, positions // page].long() * page + positions % page  # [T]
@@ -51,24 +49,11 @@ def paged_inputs(query_lens: list[int], context_lens: list[int], q_heads: int, k
     def randn(*shape):
         return torch.randn(*shape, generator=device_gen, device=device).to(dtype)
 
-    def ints(values, dtype=torch.int32):
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    batch = ForwardBatch(
-        is_prefill=max(query_lens) > 1,
-        query_start_loc=ints(starts),
-        seq_lens=ints(seq_lens),
-        context_lens=ints(context_lens),
-        logits_indices=ints(starts[1:], torch.int64) - 1,
-        caches={"paged_kv": PagedKVBatch(block_tables=table.to(device),
-                                         slot_mapping=slot_mapping.to(device))},
-        query_lens_host=list(query_lens),
-        seq_lens_host=seq_lens,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-    )
+    batch = forward_batch(query_lens, context_lens, device=device, caches={
+        "paged_kv": PagedKVBatch(block_tables=table.to(device),
+                                 slot_mapping=slot_mapping.to(device))})
     return PagedInputs(
-        q=randn(starts[-1], q_heads, head_dim),
+        q=randn(sum(query_lens), q_heads, head_dim),
         k_cache=randn(num_pages + 1, page, kv_heads, head_dim),
         v_cache=randn(num_pages + 1, page, kv_heads, head_dim),
         batch=batch,

@@ -43,10 +43,10 @@ import torch
 from triton.testing import do_bench
 
 from qllm.ops import gdn as reference
+from qllm.testing.batch import recurrent_slot_batch
 from qllm.testing.benchmarking import graphed, print_table
 from qllm_kernels_gdn import ops
-from qllm_kernels_gdn.testing import (QWEN3_5_35B_A3B, conv_inputs, gdn_inputs, make_batch,
-                                      random_batch)
+from qllm_kernels_gdn.testing import QWEN3_5_35B_A3B, conv_inputs, gdn_inputs, random_batch
 
 GEOMETRY = QWEN3_5_35B_A3B
 DTYPE, CONV_DTYPE = torch.bfloat16, torch.bfloat16
@@ -112,8 +112,8 @@ def case_args(kind: str, batch) -> tuple[tuple, torch.Tensor, int]:
 def decode_batch(batch_size: int):
     """One token per sequence, every sequence with state, in random or consecutive slots."""
     if CONSECUTIVE_SLOTS:
-        return make_batch([1] * batch_size, list(range(batch_size)), [True] * batch_size,
-                          device="cuda")
+        return recurrent_slot_batch([1] * batch_size, list(range(batch_size)),
+                                    [True] * batch_size, device="cuda")
     return random_batch([1] * batch_size, NUM_SLOTS, True, device="cuda", seed=batch_size)
 
 

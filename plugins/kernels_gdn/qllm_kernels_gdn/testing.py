@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from qllm.cache.recurrent_slots import RecurrentSlotBatch
 from qllm.runner.batch import ForwardBatch
+from qllm.testing.batch import recurrent_slot_batch
 
 
 @dataclass
@@ -31,27 +31,6 @@ class GDNGeometry:
 QWEN3_5_35B_A3B = GDNGeometry(16, 32, 128, 128)
 
 
-def make_batch(query_lens: list[int], slots: list[int], has_state: list[bool],
-               device: str | torch.device = "cpu") -> ForwardBatch:
-    """A ``ForwardBatch`` carrying what the GDN ops read (decode when every length is 1).
-    The host lengths are set either way: the prefill ops also serve one-token sequences."""
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    zeros = torch.zeros(len(query_lens), dtype=torch.int32, device=device)
-    is_prefill = max(query_lens) > 1
-    return ForwardBatch(
-        is_prefill=is_prefill,
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=zeros, context_lens=zeros,
-        logits_indices=torch.tensor(starts[1:], dtype=torch.int64, device=device) - 1,
-        caches={"recurrent_slot": RecurrentSlotBatch(
-            slots=torch.tensor(slots, dtype=torch.int64, device=device),
-            has_initial_state=torch.tensor(has_state, dtype=torch.bool, device=device))},
-        query_lens_host=list(query_lens),
-        max_query_len=max(query_lens))
-
-
 def random_batch(query_lens: list[int], num_slots: int, has_state: bool | list[bool],
                  num_padding: int = 0, device: str | torch.device = "cpu",
                  seed: int = 0) -> ForwardBatch:
@@ -61,8 +40,9 @@ def random_batch(query_lens: list[int], num_slots: int, has_state: bool | list[b
     gen = torch.Generator().manual_seed(seed)
     slots = torch.randperm(num_slots, generator=gen)[:len(query_lens)].tolist()
     flags = has_state if isinstance(has_state, list) else [has_state] * len(query_lens)
-    return make_batch(list(query_lens) + [1] * num_padding, slots + [num_slots] * num_padding,
-                      list(flags) + [False] * num_padding, device)
+    return recurrent_slot_batch(list(query_lens) + [1] * num_padding,
+                                slots + [num_slots] * num_padding,
+                                list(flags) + [False] * num_padding, device)
 
 
 @dataclass
