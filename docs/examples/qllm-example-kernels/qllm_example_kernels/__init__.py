@@ -1,0 +1,1 @@
+"""The plugin guide's example kernel plugin (``docs/plugins.md``)."""

@@ -1,0 +1,1 @@
+"""The plugin guide's example model plugin (``docs/plugins.md``): Llama for qllm."""
