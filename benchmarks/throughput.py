@@ -8,7 +8,9 @@ real geometry (``load_format="dummy"`` on a config.json this script writes).
         --peer-batch 32 --peer-max-tokens 200
 
 Prints one JSON line per run: engine, workload, tokens, seconds, tok/s, peak memory, commit;
-for qllm also the timed run's steps split into prefill and decode (``StepTimeline``). With
+for qllm also the timed run's steps split into prefill and decode (``StepTimeline``) and the
+start-up's split (``startup``: model load, compile, graph capture, warm-up, and whether the
+compile cache was cold or warm; ``QLLM_CACHE_DIR`` chooses the cache). With
 ``--profile-decode BATCH CONTEXT`` the same engine then profiles decode steps at that batch
 and context (``profile_step.py``; figures under ``decode_profile``, files under ``$OUT``),
 which saves a second start-up.
@@ -74,6 +76,7 @@ def run_qllm(model_dir: str, prompts, params, args) -> dict:
         result["decode_tok_per_s"] = round((tokens - 1) / (seconds - result["ttft_seconds"]), 1)
     graphs = llm.engine.runner.graphs
     return {**result, "tokens": tokens, "seconds": seconds, "startup_seconds": round(startup, 1),
+            "startup": llm.engine.startup.summary(),
             "kernels": llm.engine.kernels.names(),
             "decode_graph_sizes": graphs.sizes if graphs else None}
 

@@ -58,6 +58,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--load-format", choices=["auto", "safetensors", "dummy"],
                        default=default["load_format"],
                        help="dummy: random weights from config.json alone")
+    group.add_argument("--compile-cache-dir",
+                       help="the persistent torch.compile / Triton cache, or off (default: "
+                            "$QLLM_CACHE_DIR, else ~/.cache/qllm)")
     group.add_argument("--quantization", help="weight format from a plugin, e.g. int8 or fp8 "
                                               "(qllm-kernels-int8); a quantized checkpoint's "
                                               "own format is used without it")
@@ -67,7 +70,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     """The engine options given on the command line, as ``LLM`` keyword arguments."""
     names = ["dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
              "gpu_memory_utilization", "kv_cache_memory_bytes", "block_size", "enforce_eager",
-             "load_format", "quantization"]
+             "load_format", "quantization", "compile_cache_dir"]
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 

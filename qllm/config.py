@@ -216,6 +216,9 @@ class EngineConfig:
     kernels: dict[str, str] = field(default_factory=dict)  # op -> implementation name
     async_scheduling: bool = True  # prepare step N+1 while step N runs on the device
     warm_up: bool = True  # on CUDA: dummy prefills at start-up (kernel JIT, tuning)
+    # the persistent torch.compile / Triton cache (qllm.runner.compile_cache): None:
+    # $QLLM_CACHE_DIR, else ~/.cache/qllm; "off": torch's and Triton's own defaults
+    compile_cache_dir: str | None = None
     # weight format (qllm_weight_formats hook), e.g. "int8" / "fp8" from qllm-kernels-int8;
     # None: the checkpoint's own quantization_config, else full precision
     quantization: str | None = None

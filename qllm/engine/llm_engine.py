@@ -15,10 +15,12 @@ from qllm.config import EngineConfig, SamplingParams, resolve_device
 from qllm.engine.detokenizer import IncrementalDetokenizer
 from qllm.engine.scheduler import Scheduler
 from qllm.engine.sequence import Sequence, SequenceStatus
+from qllm.engine.startup import StartupReport
 from qllm.engine.stop import check_stop
 from qllm.model_builder import build_model, load_hf_config
 from qllm.multimodal import MODALITIES, MediaError, MultimodalInputs, load_audio, load_image
 from qllm.plugins import PluginRegistry, default_registry
+from qllm.runner import compile_cache
 from qllm.runner.model_runner import ModelRunner, SampledStep
 
 logger = logging.getLogger(__name__)
@@ -41,6 +43,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, plugins: PluginRegistry | None = None):
         self.plugins = plugins or default_registry()
         check_model_dir(config.model)
+        # before anything compiles: torch's and Triton's caches are process-wide
+        self.startup = StartupReport(compile_cache.configure(config.compile_cache_dir))
         self.device = resolve_device(config.device)
         hf_config = load_hf_config(config.model, self.plugins)
         self.hf_config = hf_config
@@ -55,10 +59,13 @@ class LLMEngine:
                              f"max_position_embeddings={max_positions}")
         self.config = config
         self.kernels = self.plugins.kernels(self.device, config.dtype, config.kernels)
-        self.model = build_model(config, hf_config, self.plugins, self.kernels, self.device)
+        with self.startup.phase("load"):
+            self.model = build_model(config, hf_config, self.plugins, self.kernels, self.device)
         self.cache = CacheRegistry(self.model, self.plugins, config, self.device)
         self.scheduler = Scheduler(config, self.cache)
-        self.runner = ModelRunner(self.model, config, self.cache, self.device, self.vocab_size)
+        with self.startup.phase("graph_capture"):  # and the compile set-up
+            self.runner = ModelRunner(self.model, config, self.cache, self.device,
+                                      self.vocab_size)
         self.tokenizer = load_tokenizer(config.model)
         # a multimodal model's media prompts (qllm.multimodal); None for a text-only model
         self.input_processor = self.model.input_processor(config.model, self.tokenizer)
@@ -66,7 +73,9 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self._in_flight: SampledStep | None = None  # launched, tokens not yet appended
         if config.warm_up and self.device.type == "cuda":
-            self.warm_up()
+            with self.startup.phase("warm_up"):
+                self.warm_up()
+        logger.info(self.startup.ready())
 
     def warm_up(self) -> None:
         """Serve dummy prompts that fill one prefill step (``max_num_batched_tokens`` tokens,

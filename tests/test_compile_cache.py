@@ -1,0 +1,67 @@
+"""The persistent compile cache (``qllm.runner.compile_cache``): a second engine, in a fresh
+process with the same cache folder, loads its compiled graphs from the cache and generates
+the same tokens; with the cache off, nothing is written there."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# One engine with compiled decode (one prompt: prefill regions, then decode of batch 1):
+# prints its start-up summary, taken after the request, and the tokens.
+LAUNCH = """
+import json, sys
+from qllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], compile_on_cpu=True, compile_cache_dir=sys.argv[2] or None,
+          max_num_seqs=2, block_size=16, max_model_len=64, max_num_batched_tokens=64)
+params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+out = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+print(json.dumps({"startup": llm.engine.startup.summary(), "tokens": out[0]["token_ids"]}))
+"""
+
+
+def launch(model_dir: str, env: dict[str, str], compile_cache_dir: str = "") -> dict:
+    """Start an engine in a fresh process (this one's import path, ``env`` on top of this
+    environment); returns what ``LAUNCH`` printed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **env}
+    done = subprocess.run([sys.executable, "-c", LAUNCH, model_dir, compile_cache_dir],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def cold_launch(qwen3_dir, tmp_path_factory):
+    """``(QLLM_CACHE_DIR, output)`` of a first launch, into an empty cache folder."""
+    root = str(tmp_path_factory.mktemp("qllm-cache"))
+    return root, launch(qwen3_dir, {"QLLM_CACHE_DIR": root})
+
+
+def test_second_launch_loads_compiled_graphs_from_the_cache(qwen3_dir, cold_launch):
+    root, cold = cold_launch
+    warm = launch(qwen3_dir, {"QLLM_CACHE_DIR": root})
+    assert cold["startup"]["compile_cache"]["state"] == "cold", cold["startup"]
+    assert warm["startup"]["compile_cache"]["state"] == "warm", warm["startup"]
+    compiled = cold["startup"]["compile_cache"]["lookups"]["fx_graph"]["misses"]
+    assert warm["startup"]["compile_cache"]["lookups"]["fx_graph"]["hits"] == compiled > 0
+    assert warm["startup"]["compile_cache"]["dir"].startswith(root)
+    assert warm["tokens"] == cold["tokens"]
+
+
+def test_cache_turned_off_writes_nothing_and_leaves_torch_its_own(qwen3_dir, cold_launch,
+                                                                   tmp_path):
+    """Off, qllm's cache root stays empty, and torch's own ``TORCHINDUCTOR_CACHE_DIR`` (here
+    the folder the first launch filled, so its graphs hit) is the one used."""
+    root, cold = cold_launch
+    unused = tmp_path / "qllm-cache"
+    inductor = os.path.join(cold["startup"]["compile_cache"]["dir"], "inductor")
+    off = launch(qwen3_dir, {"QLLM_CACHE_DIR": str(unused),
+                             "TORCHINDUCTOR_CACHE_DIR": inductor}, compile_cache_dir="off")
+    assert off["startup"]["compile_cache"]["state"] == "off"
+    assert off["startup"]["compile_cache"]["lookups"]["fx_graph"]["hits"] > 0
+    assert not unused.exists()
+    assert off["tokens"] == cold["tokens"]
