@@ -15,6 +15,8 @@ class CausalLM(nn.Module):
     ``checkpoint_name`` (``None`` skips it) and ``packed_modules`` (HF projection name ->
     ``(fused parameter name, shard)``, e.g. ``"q_proj": ("qkv_proj", "q")``). Modules that hold
     a cache declare ``layer_kind``, ``cache_requirement()`` and ``attach_cache(tensors)``.
+    ``qllm.protocols`` states this contract as typed protocols (``CausalLMModel``,
+    ``CacheLayer``, ``DecoderLayer``).
     """
 
     packed_modules: dict[str, tuple[str, str]] = {}

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from qllm.protocols import ModelBuilder
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 FLOAT_DTYPES = HALF_DTYPES + (torch.float32,)
@@ -17,12 +20,13 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 class ModelSpec:
     """One HF architecture string and how to build it.
 
-    ``build(hf_config, kernels, engine_config) -> CausalLM`` is called on the meta device;
-    the core then materialises the module on the target device and loads its weights.
+    ``build(hf_config, kernels, engine_config) -> CausalLM`` (``qllm.protocols.ModelBuilder``)
+    is called on the meta device; the core then materialises the module on the target device
+    and loads its weights.
     """
 
     architecture: str
-    build: Callable[..., torch.nn.Module]
+    build: ModelBuilder
     plugin: str
 
 

@@ -16,6 +16,7 @@ import torch
 
 from qllm import LLM, SamplingParams
 from qllm.plugins import PluginRegistry
+from qllm.protocols import CacheLayer, CausalLMModel, DecoderLayer
 from qllm.testing import hf_greedy, perturb_, random_prompts
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
@@ -83,5 +84,10 @@ def test_example_llama_matches_transformers(example_registry, llama_checkpoint, 
     llm = LLM(llama_checkpoint[0], plugins=example_registry, kernels={"linear": linear},
               **ENGINE)
     assert llm.engine.kernels.names()["linear"] == linear
+    model = llm.engine.model
+    assert isinstance(model, CausalLMModel)
+    assert all(isinstance(layer, DecoderLayer) for layer in model.decoder_layers())
+    assert [layer.layer_kind for layer in model.cache_layers()] == ["full_attention"] * 2
+    assert all(isinstance(layer, CacheLayer) for layer in model.cache_layers())
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [out["token_ids"] for out in outputs] == tokens

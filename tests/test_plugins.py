@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from qllm.hookspecs import hookimpl
-from qllm.plugins import DuplicateRegistrationError, PluginRegistry
+from qllm.plugins import DuplicateRegistrationError, PluginRegistry, default_registry
 from qllm.specs import KernelSpec
+from qllm.testing.kernels import kernel_parameters
 
 CPU = torch.device("cpu")
 
@@ -32,6 +33,18 @@ def test_builtins_serve_every_op_with_plain_torch():
     names = registry().kernels(CPU, torch.float32).names()
     assert {"kv_store", "paged_attention_decode", "paged_attention_prefill"} <= set(names)
     assert set(names.values()) == {"torch"}
+
+
+def test_every_kernel_takes_its_op_reference_parameters():
+    """Each installed kernel of an op is called as the op's plain-torch reference (the
+    implementation named ``torch``) is: same parameter names, same order. (An op whose
+    reference is in a plugin not installed here is not checked.)"""
+    specs = [spec for specs in default_registry().manager.hook.qllm_kernels() for spec in specs]
+    references = {spec.op: kernel_parameters(spec.fn) for spec in specs if spec.name == "torch"}
+    checked = [spec for spec in specs if spec.op in references]
+    mismatched = {f"{spec.op}/{spec.name}": kernel_parameters(spec.fn) for spec in checked
+                  if kernel_parameters(spec.fn) != references[spec.op]}
+    assert not mismatched, f"kernels whose parameters differ from the reference's: {mismatched}"
 
 
 def test_highest_priority_available_kernel_wins():
