@@ -30,8 +30,8 @@ def test_block_allocation_and_release(benchmark):
     manager = BlockManager(num_blocks=BATCH * 8, block_size=256, enable_prefix_caching=True)
 
     def allocate_and_release():
-        for seq in seqs:
-            manager.admit(seq)
+        for seq in seqs:  # from the cached prefix (num_computed_tokens) to the end
+            seq.num_computed_tokens = manager.admit(seq)
             manager.reserve(seq, len(seq) - seq.num_computed_tokens)
         for seq in seqs:
             manager.release(seq)

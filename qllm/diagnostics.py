@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from qllm.config import SamplingParams
-from qllm.engine.scheduler import ScheduledBatch
 from qllm.engine.sequence import Sequence
 
 
@@ -16,28 +15,36 @@ def teacher_forced_logits(llm, prompts: list[list[int]],
                           continuations: list[list[int]]) -> torch.Tensor:
     """Next-token logits ``[steps, B, V]`` (fp32, on the host) that predict each token of
     ``continuations`` (``steps`` tokens for every prompt): one prefill of all ``prompts``,
-    then one decode step per token, fed ``continuations[b][step]``. Decode goes through the
-    engine's runner, so through its CUDA graphs where it has them, and stores (and rounds)
-    the recurrent state after every token. The prefix cache is emptied first, so every
-    prompt is computed in full; the cache is free again afterwards."""
-    engine, runner = llm.engine, llm.engine.runner
-    engine.cache.reset_prefix_cache()
-    seqs = [Sequence(prompt, SamplingParams(temperature=0)) for prompt in prompts]
-    for seq in seqs:
-        if not (engine.cache.admit(seq) and engine.cache.reserve(seq, len(seq))):
-            raise RuntimeError("the cache cannot hold every prompt at once")
-    try:
-        steps = [runner.step_logits(
-            ScheduledBatch(seqs, [len(seq) for seq in seqs], is_prefill=True)).float().cpu()]
-        for step in range(len(continuations[0]) - 1):
-            for seq, tokens in zip(seqs, continuations):
-                seq.num_computed_tokens = len(seq)
-                seq.append_token(tokens[step])
-                if not engine.cache.reserve(seq, 1):
-                    raise RuntimeError("the cache ran out of blocks")
-            steps.append(runner.step_logits(
-                ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False)).float().cpu())
-        return torch.stack(steps)
-    finally:
+    then one decode step per token, fed ``continuations[b][step]``. The engine's scheduler
+    runs each step as it would a request's, the forced tokens in place of sampled ones;
+    decode goes through the engine's runner, so through its CUDA graphs where it has them,
+    and stores (and rounds) the recurrent state after every token. The prefix cache is off
+    meanwhile and emptied, so every prompt is computed in full; the cache is free again
+    afterwards. The engine must be idle, with room for every prompt in one step."""
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    if engine.has_unfinished():
+        raise RuntimeError("the engine is serving requests; teacher forcing needs it idle")
+    num_steps = len(continuations[0])
+    params = SamplingParams(temperature=0, max_tokens=num_steps, ignore_eos=True)
+    seqs = [Sequence(prompt, params) for prompt in prompts]
+    steps = []
+    with engine.cache.prefix_caching_paused():
         for seq in seqs:
-            engine.cache.release(seq)
+            scheduler.add(seq)
+        try:
+            for step in range(num_steps):
+                batch = scheduler.schedule()
+                if batch is None or batch.seqs != seqs or any(
+                        n != seq.num_uncomputed_tokens for seq, n in zip(seqs, batch.num_tokens)):
+                    raise RuntimeError("the engine cannot run every prompt in one step "
+                                       "(max_num_seqs, max_num_batched_tokens or the cache "
+                                       "is too small)")
+                steps.append(engine.runner.step_logits(batch).float().cpu())
+                scheduler.launched(batch, seqs)
+                scheduler.postprocess(batch, seqs, [tokens[step] for tokens in continuations],
+                                      engine.eos_token_ids)
+        finally:
+            for seq in seqs:
+                if not seq.is_finished:
+                    scheduler.finish(seq, "abort")
+    return torch.stack(steps)

@@ -46,8 +46,7 @@ def test_prefix_hit_reuses_blocks_and_counts_references():
     manager.admit(first)
     computed(manager, first, 10)
     second = seq_of(list(range(8)) + [99, 98, 97])
-    manager.admit(second)
-    assert second.num_computed_tokens == second.num_cached_tokens == 8
+    assert manager.admit(second) == 8
     assert manager.block_table(second) == manager.block_table(first)[:2]
     assert all(manager.blocks[b].ref_count == 2 for b in manager.block_table(second))
     manager.release(first)
@@ -63,8 +62,7 @@ def test_freed_blocks_stay_cached_until_reused():
     computed(manager, first, 9)
     manager.release(first)
     again = seq_of(range(9))
-    manager.admit(again)
-    assert again.num_cached_tokens == 8
+    assert manager.admit(again) == 8
     manager.release(again)
     # Filling the pool with other tokens evicts the cached blocks.
     other = seq_of(range(100, 116))
@@ -72,8 +70,7 @@ def test_freed_blocks_stay_cached_until_reused():
     computed(manager, other, 16)
     manager.release(other)
     late = seq_of(range(9))
-    manager.admit(late)
-    assert late.num_cached_tokens == 0
+    assert manager.admit(late) == 0
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_token():
@@ -82,8 +79,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
     manager.admit(first)
     computed(manager, first, 8)
     second = seq_of(range(8))
-    manager.admit(second)
-    assert second.num_computed_tokens == 4  # the last block is recomputed for its last token
+    assert manager.admit(second) == 4  # the last block is recomputed for its last token
 
 
 def test_same_hash_different_tokens_is_not_a_hit(monkeypatch):
@@ -95,5 +91,4 @@ def test_same_hash_different_tokens_is_not_a_hit(monkeypatch):
     manager.admit(first)
     computed(manager, first, 9)
     other = seq_of(range(50, 59))
-    manager.admit(other)
-    assert other.num_cached_tokens == 0
+    assert manager.admit(other) == 0

@@ -1,4 +1,6 @@
-"""Scheduler: FCFS admission, token budget, chunked prefill, decode and preemption."""
+"""Scheduler: FCFS admission, token budget, chunked prefill, decode and preemption, and the
+lifecycle it alone moves sequences through (admission from a prefix hit, launch, tokens
+applied, stops, tokens dropped after an abort)."""
 
 from __future__ import annotations
 
@@ -23,14 +25,14 @@ class FakeAttention(torch.nn.Module):
 
 
 class FakeRegistry:
-    """The cache registry's interface over one paged pool."""
+    """The cache registry's interface over one paged pool (its prefix hits taken whole)."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         self.pool = PagedKVPool([FakeAttention()], num_blocks, torch.device("cpu"), block_size,
-                                enable_prefix_caching=False)
+                                enable_prefix_caching=enable_prefix_caching)
 
     def admit(self, seq):
-        return self.pool.admit(seq)
+        return self.pool.cached_prefix_len(seq) if self.pool.admit(seq) else None
 
     def reserve(self, seq, n):
         return self.pool.reserve(seq, n)
@@ -38,23 +40,38 @@ class FakeRegistry:
     def limit_chunk(self, seq, n):
         return self.pool.limit_chunk(seq, n)
 
+    def step_launched(self, seqs, is_prefill):
+        self.pool.step_launched(seqs, is_prefill)
+
+    def register_computed(self, seq):
+        self.pool.register_computed(seq)
+
     def release(self, seq):
         self.pool.release(seq)
-        seq.num_computed_tokens = 0
 
 
-def make(num_blocks=16, block_size=4, **options):
-    config = EngineConfig(model="unused", block_size=block_size, **options)
-    cache = FakeRegistry(num_blocks, block_size)
+def make(num_blocks=16, block_size=4, enable_prefix_caching=False, **options):
+    config = EngineConfig(model="unused", block_size=block_size, max_model_len=64, **options)
+    cache = FakeRegistry(num_blocks, block_size, enable_prefix_caching)
     return Scheduler(config, cache), cache
 
 
+EOS = 0
+
+
+def sampled(batch):
+    """The sequences of ``batch`` that sample a token (every position then computed), as
+    the runner picks them."""
+    return [seq for seq, n in zip(batch.seqs, batch.num_tokens)
+            if seq.num_computed_tokens + n == len(seq)]
+
+
 def run_step(scheduler, batch, next_token=7):
-    """Apply a step's effect as the engine would: tokens computed, one sampled when complete."""
-    for seq, n in zip(batch.seqs, batch.num_tokens):
-        seq.num_computed_tokens += n
-        if seq.num_computed_tokens == len(seq):
-            seq.append_token(next_token)
+    """Launch ``batch`` and apply its tokens, as the engine does without async scheduling:
+    each sequence that samples gets ``next_token``. Returns the sequences that advanced."""
+    seqs = sampled(batch)
+    scheduler.launched(batch, seqs)
+    return scheduler.postprocess(batch, seqs, [next_token] * len(seqs), {EOS})
 
 
 def test_prefill_is_fcfs_within_the_token_budget():
@@ -114,3 +131,61 @@ def test_finish_frees_the_cache():
     scheduler.finish(seq, "stop")
     assert seq.is_finished and cache.pool.num_free_units == cache.pool.num_units
     assert scheduler.schedule() is None
+
+
+def test_admission_starts_from_the_prefix_hit_the_cache_reports():
+    scheduler, _ = make(enable_prefix_caching=True)
+    first = Sequence(list(range(10)), SamplingParams())
+    scheduler.add(first)
+    run_step(scheduler, scheduler.schedule())  # computes and registers its two full blocks
+    second = Sequence(list(range(8)) + [50, 51], SamplingParams())
+    scheduler.add(second)
+    batch = scheduler.schedule()
+    assert batch.is_prefill and batch.seqs == [second] and batch.num_tokens == [2]
+    assert second.num_computed_tokens == second.num_cached_tokens == 8
+    assert second.status == SequenceStatus.RUNNING
+
+
+def test_launch_computes_tokens_and_postprocess_appends_the_pending_ones():
+    scheduler, _ = make(enable_chunked_prefill=True, max_num_batched_tokens=4)
+    seq = Sequence([1] * 6, SamplingParams(max_tokens=2, ignore_eos=True))
+    scheduler.add(seq)
+    batch = scheduler.schedule()
+    scheduler.launched(batch, sampled(batch))  # a chunk of 4: nothing sampled yet
+    assert seq.num_computed_tokens == 4 and seq.num_pending_tokens == 0
+    assert scheduler.postprocess(batch, [], [], {EOS}) == []
+    batch = scheduler.schedule()
+    scheduler.launched(batch, [seq])
+    assert seq.num_computed_tokens == 6 and seq.num_pending_tokens == 1 and len(seq) == 7
+    assert scheduler.postprocess(batch, [seq], [EOS], {EOS}) == [seq]
+    assert seq.output_token_ids == [EOS] and seq.num_pending_tokens == 0
+    assert seq.status == SequenceStatus.RUNNING  # EOS ignored
+    assert run_step(scheduler, scheduler.schedule(), next_token=9) == [seq]
+    assert seq.finish_reason == "length" and seq.output_token_ids == [EOS, 9]
+    assert seq.num_computed_tokens == 0 and scheduler.running == []
+
+
+def test_postprocess_stops_on_eos_and_frees_the_cache():
+    scheduler, cache = make()
+    seq = Sequence([1] * 5, SamplingParams(max_tokens=8))
+    scheduler.add(seq)
+    run_step(scheduler, scheduler.schedule())
+    assert run_step(scheduler, scheduler.schedule(), next_token=EOS) == [seq]
+    assert seq.is_finished and seq.finish_reason == "stop"
+    assert cache.pool.num_free_units == cache.pool.num_units
+    assert not scheduler.has_unfinished()
+
+
+def test_a_token_pending_when_its_sequence_is_aborted_is_dropped():
+    """With async scheduling the next batch launches before this one's tokens land; a
+    sequence aborted in between keeps neither token."""
+    scheduler, _ = make()
+    seq = Sequence([1] * 5, SamplingParams(max_tokens=8))
+    scheduler.add(seq)
+    run_step(scheduler, scheduler.schedule())
+    batch = scheduler.schedule()
+    scheduler.launched(batch, [seq])
+    scheduler.finish(seq, "abort")
+    assert scheduler.postprocess(batch, [seq], [7], {EOS}) == []
+    assert seq.output_token_ids == [7] and seq.num_pending_tokens == 0
+    assert seq.finish_reason == "abort"

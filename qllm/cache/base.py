@@ -70,10 +70,16 @@ class CachePool(abc.ABC):
         """Forget every cached prefix that no sequence holds (for pools that keep them)."""
 
     # Prefix caching across pools: at admission each pool first takes what it has of the
-    # sequence's cached prefix (``admit``: ``paged_kv`` sets ``seq.num_computed_tokens``),
-    # then the registry asks every pool how much of that it can serve (``longest_prefix``)
-    # and settles on the shortest answer (``take_prefix``).
+    # sequence's cached prefix (``admit``; ``paged_kv`` takes its cached blocks and reports
+    # their tokens, ``cached_prefix_len``), then the registry asks every pool how much of the
+    # longest of those it can serve (``longest_prefix``) and settles on the shortest answer
+    # (``take_prefix``); the scheduler starts the sequence there.
     on_forget_prefix = None  # set by the registry: call with a block hash no pool may keep
+
+    def cached_prefix_len(self, seq: Sequence) -> int:
+        """How many of ``seq``'s first tokens ``admit`` just took from this pool's prefix
+        cache (a block boundary); 0 for a pool that takes none at admission."""
+        return 0
 
     def longest_prefix(self, seq: Sequence, num_tokens: int) -> int:
         """The longest cached prefix of ``seq``, at most ``num_tokens`` tokens (a block

@@ -64,9 +64,9 @@ class BlockManager:
             del self.free[block_id]
         return self.blocks[block_id]
 
-    def admit(self, seq: Sequence) -> None:
+    def admit(self, seq: Sequence) -> int:
         """Reuse cached blocks for the longest cached prefix of ``seq`` (always leaving at least
-        one token to compute) and set ``seq.num_computed_tokens`` to the tokens they hold."""
+        one token to compute); returns the tokens they hold."""
         assert not self.tables.get(seq.seq_id), f"{seq} already holds blocks"
         table = self.tables[seq.seq_id] = []
         cacheable = (len(seq) - 1) // self.block_size * self.block_size
@@ -90,7 +90,7 @@ class BlockManager:
             block.ref_count += 1
             table.append(block_id)
             parent = block.hash
-        seq.num_computed_tokens = seq.num_cached_tokens = len(table) * self.block_size
+        return len(table) * self.block_size
 
     def can_reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)

@@ -70,6 +70,11 @@ class PagedKVPool(CachePool):
     def reset_prefix_cache(self) -> None:
         self.manager.reset_prefix_cache()
 
+    def cached_prefix_len(self, seq: Sequence) -> int:
+        """The tokens of the cached blocks ``admit`` took (all ``seq`` holds until it
+        reserves)."""
+        return len(self.manager.block_table(seq)) * self.block_size
+
     def take_prefix(self, seq: Sequence, num_tokens: int) -> None:
         self.manager.truncate(seq, num_tokens)  # the blocks past it are recomputed
 

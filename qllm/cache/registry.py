@@ -3,6 +3,7 @@ grows and frees sequences across all of them at once."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -92,15 +93,15 @@ class CacheRegistry:
             return int(free - reserve)
         return CPU_DEFAULT_CACHE_BYTES
 
-    def admit(self, seq: Sequence) -> bool:
-        """Give a waiting sequence what every pool needs up front; all or nothing."""
+    def admit(self, seq: Sequence) -> int | None:
+        """Give a waiting sequence what every pool needs up front, all or nothing: None when
+        some pool has no room, else how many of its first tokens the prefix cache serves
+        (the scheduler starts the sequence there)."""
         for pool in self.pools.values():
             if not pool.admit(seq):
                 self.release(seq)  # pools release what a sequence never took as a no-op
-                return False
-        if self.prefix_caching:
-            self._settle_prefix(seq)
-        return True
+                return None
+        return self._settle_prefix(seq) if self.prefix_caching else 0
 
     def set_prefix_caching(self, enabled: bool) -> bool:
         """Turn prefix caching off, or back on where the engine has it; returns whether it
@@ -110,10 +111,24 @@ class CacheRegistry:
             pool.set_prefix_caching(self.prefix_caching)
         return was
 
-    def _settle_prefix(self, seq: Sequence) -> None:
-        """Start ``seq`` from the longest cached prefix that every pool can serve (the
-        ``paged_kv`` hit, cut back to a recurrent-state checkpoint for hybrid models)."""
-        found = seq.num_computed_tokens
+    @contextlib.contextmanager
+    def prefix_caching_paused(self):
+        """Within: the prefix cache is emptied and prefix caching is off (no hit or
+        state-checkpoint boundary shapes a step). After: it is back on where it was, and
+        emptied again, so no prefix computed within outlives it."""
+        self.reset_prefix_cache()
+        enabled = self.set_prefix_caching(False)
+        try:
+            yield
+        finally:
+            self.set_prefix_caching(enabled)
+            self.reset_prefix_cache()
+
+    def _settle_prefix(self, seq: Sequence) -> int:
+        """The longest cached prefix of ``seq`` that every pool can serve (the ``paged_kv``
+        hit, cut back to a recurrent-state checkpoint for hybrid models), each pool set to
+        start ``seq`` there."""
+        found = max(pool.cached_prefix_len(seq) for pool in self.pools.values())
         prefix = found
         while True:
             shortest = min(pool.longest_prefix(seq, prefix) for pool in self.pools.values())
@@ -122,11 +137,11 @@ class CacheRegistry:
             prefix = shortest
         for pool in self.pools.values():
             pool.take_prefix(seq, prefix)
-        seq.num_computed_tokens = seq.num_cached_tokens = prefix
         self.prefix_queries += 1
         self.prefix_query_tokens += len(seq)
         self.prefix_hit_tokens += prefix
         self.prefix_recomputed_tokens += found - prefix
+        return prefix
 
     def limit_chunk(self, seq: Sequence, num_tokens: int) -> int:
         """How many of ``num_tokens`` prefill tokens ``seq`` may compute in one step (a
@@ -170,10 +185,10 @@ class CacheRegistry:
             pool.reset_prefix_cache()
 
     def release(self, seq: Sequence) -> None:
-        """Free all of ``seq``'s cache; none of its tokens count as computed any more."""
+        """Free all of ``seq``'s cache (the scheduler then counts none of its tokens as
+        computed)."""
         for pool in self.pools.values():
             pool.release(seq)
-        seq.num_computed_tokens = 0
 
     def usage(self) -> dict[str, float]:
         return {name: pool.usage() for name, pool in self.pools.items()}

@@ -61,11 +61,8 @@ class LLM:
         prompts = _prompt_list(prompts)
         sampling_params = _params_list(sampling_params, len(prompts))
         processed = [self.engine.process_prompt(*_prompt_media(p)) for p in prompts]
-        for ids, _ in processed:
-            self.engine.validate(ids)
-        groups = [[self.engine.add_request(ids, choice, multimodal=mm)
-                   for choice in _choices(params)]
-                  for (ids, mm), params in zip(processed, sampling_params)]
+        groups = [[self.engine.add_request(prompt, choice) for choice in _choices(params)]
+                  for prompt, params in zip(processed, sampling_params)]
         seqs = [seq for group in groups for seq in group]
         try:
             self._run(seqs, use_tqdm)

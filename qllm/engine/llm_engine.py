@@ -7,16 +7,16 @@ import logging
 import os
 import re
 import time
+from typing import NamedTuple
 
 import torch
 
 from qllm.cache.registry import CacheRegistry
 from qllm.config import EngineConfig, SamplingParams, resolve_device
 from qllm.engine.detokenizer import IncrementalDetokenizer
-from qllm.engine.scheduler import Scheduler
-from qllm.engine.sequence import Sequence, SequenceStatus
+from qllm.engine.scheduler import ScheduledBatch, Scheduler
+from qllm.engine.sequence import Sequence
 from qllm.engine.startup import StartupReport
-from qllm.engine.stop import check_stop
 from qllm.model_builder import build_model, load_hf_config
 from qllm.multimodal import MODALITIES, MediaError, MultimodalInputs, load_audio, load_image
 from qllm.plugins import PluginRegistry, default_registry
@@ -26,12 +26,21 @@ from qllm.runner.model_runner import ModelRunner, SampledStep
 logger = logging.getLogger(__name__)
 
 
+class ProcessedPrompt(NamedTuple):
+    """A prompt ready to serve (``LLMEngine.process_prompt``): its token ids (media
+    placeholders expanded) and, for a multimodal model, its encoder inputs and positions."""
+
+    token_ids: list[int]
+    multimodal: MultimodalInputs | None
+
+
 class LLMEngine:
     """Owns the model runner, the cache registry and the scheduler of one model.
 
     ``add_request`` validates and queues a request; each ``step`` runs one batch and returns
-    the sequences that advanced. Bad requests raise ``ValueError`` before anything is queued,
-    so the engine stays usable.
+    the sequences that advanced: the scheduler picks the batch, the runner launches it, and
+    the scheduler applies its sampled tokens (``Scheduler.postprocess``). Bad requests raise
+    ``ValueError`` before anything is queued, so the engine stays usable.
 
     With ``async_scheduling`` (the default) a step launches batch N on the device and only
     then waits for the tokens of batch N-1, so the host's work (appending tokens, stop checks,
@@ -110,16 +119,13 @@ class LLMEngine:
         with the prefix cache emptied before and after and off between (so no hit or
         state-checkpoint boundary shrinks a prefill step, and no dummy prefix outlives the
         warm-up)."""
-        self.cache.reset_prefix_cache()
-        enabled = self.cache.set_prefix_caching(False)
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-        for j, length in enumerate(lengths):
-            prompt = [(j * length + i) % self.vocab_size for i in range(length)]
-            self.add_request(prompt, params, request_id=f"qllm-warm-up-{j}")
-        while self.has_unfinished():
-            self.step()
-        self.cache.set_prefix_caching(enabled)
-        self.cache.reset_prefix_cache()
+        with self.cache.prefix_caching_paused():
+            for j, length in enumerate(lengths):
+                prompt = [(j * length + i) % self.vocab_size for i in range(length)]
+                self.add_request(prompt, params, request_id=f"qllm-warm-up-{j}")
+            while self.has_unfinished():
+                self.step()
 
     # ----------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -146,15 +152,16 @@ class LLMEngine:
                              f"{self.config.max_model_len}: no room to generate")
 
     def process_prompt(self, prompt: str | list[int], media: dict | None = None,
-                       input_processor=None) -> tuple[list[int], MultimodalInputs | None]:
-        """Token ids of ``prompt`` and, for a multimodal model, its encoder inputs and
-        positions. ``media``: modality ("image", "audio") -> items in prompt order (see
-        ``qllm.multimodal.load_image`` / ``load_audio`` for the forms taken); the prompt holds
-        one placeholder (``input_processor.placeholders``) per item. Bad media, or a prompt
-        whose media tokens do not fit ``max_model_len``, raise ``MediaError``.
-        ``input_processor``: another instance of the model's processor to use (the server's
-        front end has its own, off the engine thread); with token ids this reads nothing
-        else of the engine but its vocabulary size and config."""
+                       input_processor=None) -> ProcessedPrompt:
+        """``prompt`` tokenized and validated (``tokenize``, ``validate``) and, for a
+        multimodal model, its encoder inputs and positions. ``media``: modality ("image",
+        "audio") -> items in prompt order (see ``qllm.multimodal.load_image`` /
+        ``load_audio`` for the forms taken); the prompt holds one placeholder
+        (``input_processor.placeholders``) per item. Bad media, or a prompt whose media
+        tokens do not fit ``max_model_len``, raise ``MediaError``. ``input_processor``:
+        another instance of the model's processor to use (the server's front end has its
+        own, off the engine thread); with token ids this reads nothing else of the engine
+        but its vocabulary size and config."""
         token_ids = self.tokenize(prompt)
         media = {kind: items for kind, items in (media or {}).items() if items}
         processor = input_processor or self.input_processor
@@ -162,9 +169,18 @@ class LLMEngine:
             if media:
                 raise MediaError(f"{self.config.model} is a text-only model; it takes no "
                                  f"{' or '.join(sorted(media))} inputs")
-            return token_ids, None
-        if not media:
-            return token_ids, processor.positions(token_ids)
+            multimodal = None
+        elif not media:
+            multimodal = processor.positions(token_ids)
+        else:
+            token_ids, multimodal = self._expand_media(token_ids, media, processor)
+        self.validate(token_ids)
+        return ProcessedPrompt(token_ids, multimodal)
+
+    def _expand_media(self, token_ids: list[int], media: dict, processor
+                      ) -> tuple[list[int], MultimodalInputs]:
+        """``token_ids`` with each media placeholder expanded, and the encoder inputs of
+        ``media`` (decoded here)."""
         decoded = {}
         for kind, items in media.items():
             if kind not in MODALITIES:
@@ -184,21 +200,24 @@ class LLMEngine:
                              f"or smaller media")
         return expanded, mm
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams,
-                    request_id: str | None = None, stream_text: bool = False,
-                    media: dict | None = None, multimodal: MultimodalInputs | None = None
-                    ) -> Sequence:
+    def add_request(self, prompt: str | list[int] | ProcessedPrompt,
+                    sampling_params: SamplingParams, request_id: str | None = None,
+                    stream_text: bool = False, media: dict | None = None,
+                    multimodal: MultimodalInputs | None = None) -> Sequence:
         """Queue one request; with ``stream_text`` its ``output_text`` grows every step.
-        ``media`` as for ``process_prompt``; or ``multimodal``, the inputs that
-        ``process_prompt`` made of ``prompt`` (then the expanded token ids)."""
+        ``prompt`` as for ``process_prompt``, with ``media``; or what ``process_prompt``
+        returned (used as it is: the ``n`` choices of one prompt share it); or the expanded
+        token ids of a ``process_prompt`` result, with its ``multimodal``."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, "
                             f"got {type(sampling_params).__name__}")
-        if multimodal is None:
+        if isinstance(prompt, ProcessedPrompt):
+            token_ids, multimodal = prompt
+        elif multimodal is None:
             token_ids, multimodal = self.process_prompt(prompt, media)
         else:
             token_ids = self.tokenize(prompt)
-        self.validate(token_ids)
+            self.validate(token_ids)
         if request_id is not None and request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(token_ids, sampling_params, request_id)
@@ -224,53 +243,39 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Run one batch; returns the sequences that got a token (finished ones included):
         those of this batch, or with ``async_scheduling`` those of the batch before it."""
-        batch = self.scheduler.schedule()
-        launched = None
-        if batch is not None:
-            launched = self.runner.launch(batch, previous=self._in_flight,
-                                          eos_token_ids=self.eos_token_ids)
-            for seq, n in zip(batch.seqs, batch.num_tokens):
-                seq.num_computed_tokens += n
-            self.cache.step_launched(batch.seqs, batch.is_prefill)  # e.g. state checkpoints
-            for seq in launched.seqs:
-                seq.num_pending_tokens += 1
-        if not self.config.async_scheduling:
-            return self._append_tokens(launched)
-        previous, self._in_flight = self._in_flight, launched
-        return self._append_tokens(previous)
+        launched = self._run(self.scheduler.schedule())
+        if self.config.async_scheduling:
+            launched, self._in_flight = self._in_flight, launched
+        return self._postprocess(launched)
 
-    def _append_tokens(self, step: SampledStep | None) -> list[Sequence]:
-        """Wait for ``step``'s tokens, append them and check the stop conditions."""
+    def _run(self, batch: ScheduledBatch | None) -> SampledStep | None:
+        """Launch ``batch`` on the device (its inputs may take the tokens of the step in
+        flight, not yet on the host); its sampled tokens come later."""
+        if batch is None:
+            return None
+        launched = self.runner.launch(batch, previous=self._in_flight,
+                                      eos_token_ids=self.eos_token_ids)
+        self.scheduler.launched(batch, launched.seqs)
+        return launched
+
+    def _postprocess(self, step: SampledStep | None) -> list[Sequence]:
+        """Wait for ``step``'s tokens and log-probs, hand them to the scheduler, and retire
+        the requests that finished."""
         if step is None:
             return []
-        advanced = []
         tokens = step.tokens()
         for seq, first, entries in step.prompt_logprobs():
-            for j, entry in enumerate(entries, start=first):
-                if j + 1 == len(seq.prompt_logprobs):  # not collected yet (a recompute is)
-                    seq.prompt_logprobs.append(entry)
-        for seq, token, logprobs in zip(step.seqs, tokens, step.logprobs()):
-            seq.num_pending_tokens -= 1
-            if seq.is_finished:  # stopped or aborted while this step ran
-                continue
-            seq.append_token(token)
-            if logprobs is not None:
-                seq.logprobs.append(logprobs)
-                seq.cumulative_logprob += logprobs[token].logprob
-            if seq.detokenizer is not None:
-                delta = seq.detokenizer.step(seq.output_token_ids)
-                seq.output_text, seq.last_text_delta_len = seq.detokenizer.text, len(delta)
-            reason = check_stop(seq, self.eos_token_ids, self.config.max_model_len)
-            if reason is not None:
-                self._finish(seq, reason)
-            advanced.append(seq)
-        for seq in step.batch.seqs:
-            if seq.status == SequenceStatus.RUNNING:
-                self.cache.register_computed(seq)
+            seq.add_prompt_logprobs(first, entries)
+        advanced = self.scheduler.postprocess(step.batch, step.seqs, tokens,
+                                              self.eos_token_ids, step.logprobs())
+        for seq in advanced:
+            if seq.is_finished:
+                self._retire(seq)
         return advanced
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)
+    def _retire(self, seq: Sequence) -> None:
+        """Forget a request that stopped: its id, its encoders' outputs; and give it its
+        text when none was made while it ran."""
         self.sequences.pop(seq.request_id, None)
         if seq.multimodal is not None:  # the encoders' outputs are needed no more
             for item in seq.multimodal.items:

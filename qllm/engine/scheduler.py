@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from qllm.cache.registry import CacheRegistry
 from qllm.config import EngineConfig
 from qllm.engine.sequence import Sequence, SequenceStatus
-from qllm.engine.stop import reaches_length_limit
+from qllm.engine.stop import check_stop, reaches_length_limit
 
 
 @dataclass
@@ -26,13 +26,21 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """FCFS scheduler with chunked prefill and preemption by recompute.
+    """FCFS scheduler with chunked prefill and preemption by recompute; the one owner of each
+    sequence's lifecycle (waiting -> running -> finished, or back to waiting when preempted;
+    its computed, cached and pending token counts).
 
     Each step is a prefill step when some prompt still needs computing and fits, otherwise a
     decode step over every running sequence. A prefill chunk also stops where a cache pool
-    asks (``CacheRegistry.limit_chunk``: a recurrent-state checkpoint boundary). When the cache cannot grow a running sequence, the
-    most recently admitted sequence is preempted: its cache is freed and it returns to the head
-    of the queue, to be recomputed (prompt plus generated tokens) when there is room.
+    asks (``CacheRegistry.limit_chunk``: a recurrent-state checkpoint boundary). When the
+    cache cannot grow a running sequence, the most recently admitted sequence is preempted:
+    its cache is freed and it returns to the head of the queue, to be recomputed (prompt plus
+    generated tokens) when there is room.
+
+    A step is ``schedule`` (the batch), then, once the batch is queued on the device,
+    ``launched``, and once its sampled tokens are on the host, ``postprocess``. With
+    asynchronous scheduling the next ``schedule`` and ``launched`` come before this
+    ``postprocess``: a sequence then has a token pending.
     """
 
     def __init__(self, config: EngineConfig, cache: CacheRegistry):
@@ -72,15 +80,17 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending_tokens:  # preempted with a token still on its way: next step
                 break
-            if not self.cache.admit(seq):
+            num_cached = self.cache.admit(seq)
+            if num_cached is None:
                 break
+            seq.num_computed_tokens = seq.num_cached_tokens = num_cached
             n = seq.num_uncomputed_tokens
             if n > budget and not self.chunked_prefill and seqs:
-                self.cache.release(seq)  # the whole prompt goes in a later step
+                self._release(seq)  # the whole prompt goes in a later step
                 break
             n = self.cache.limit_chunk(seq, min(n, budget) if self.chunked_prefill else n)
             if not self.cache.reserve(seq, n):
-                self.cache.release(seq)
+                self._release(seq)
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -115,18 +125,57 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        self.cache.release(seq)
+        self._release(seq)
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def _release(self, seq: Sequence) -> None:
+        """Free all of ``seq``'s cache: none of its tokens count as computed any more."""
+        self.cache.release(seq)
+        seq.num_computed_tokens = 0
+
+    def launched(self, batch: ScheduledBatch, sampled: list[Sequence]) -> None:
+        """``batch`` is queued on the device: its tokens count as computed (the next batch
+        builds on them), the cache pools see the step (e.g. to save state checkpoints), and
+        each of ``sampled`` (the sequences it samples a token for) has a token pending."""
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+        self.cache.step_launched(batch.seqs, batch.is_prefill)
+        for seq in sampled:
+            seq.num_pending_tokens += 1
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[int],
+                    eos_token_ids: set[int], logprobs: list[dict | None] | None = None
+                    ) -> list[Sequence]:
+        """The tokens of a launched ``batch`` reached the host: ``tokens[i]`` (with its
+        ``logprobs[i]``, when given) is the pending token of ``sampled[i]``. Appends each,
+        finishes the sequences that stop on it (``check_stop``), and hands the cache what
+        the batch computed (the paged KV cache registers full blocks for prefix caching). A
+        sequence finished while the batch ran (stopped on an earlier token, or aborted) drops
+        its token. Returns the sequences that got a token, those finished now included."""
+        advanced = []
+        for i, (seq, token) in enumerate(zip(sampled, tokens)):
+            seq.num_pending_tokens -= 1
+            if seq.is_finished:
+                continue
+            seq.append_token(token, None if logprobs is None else logprobs[i])
+            reason = check_stop(seq, eos_token_ids, self.max_model_len)
+            if reason is not None:
+                self.finish(seq, reason)
+            advanced.append(seq)
+        for seq in batch.seqs:
+            if seq.status == SequenceStatus.RUNNING:
+                self.cache.register_computed(seq)
+        return advanced
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire ``seq`` (stop condition or abort) and free its cache."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.cache.release(seq)
+        self._release(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

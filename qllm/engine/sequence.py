@@ -21,10 +21,12 @@ class Sequence:
     written by a launched step). Each step computes positions ``num_computed_tokens`` to
     ``num_computed_tokens + n``; once every position is computed the model samples the next
     token. A sampled token whose value has not reached the host yet is *pending*: it counts in
-    ``len(seq)`` but not in ``token_ids`` until the engine appends it. Preemption resets
+    ``len(seq)`` but not in ``token_ids`` until the scheduler appends it. Preemption resets
     ``num_computed_tokens`` to 0 and keeps the generated tokens, which are recomputed with the
-    prompt on readmission. What a sequence holds in each cache kind (blocks, a slot...) is
-    kept by that kind's pool, by ``seq_id``.
+    prompt on readmission. The scheduler alone moves a sequence through its lifecycle
+    (``status``, ``num_computed_tokens``, ``num_cached_tokens``, ``num_pending_tokens``,
+    ``finish_reason``). What a sequence holds in each cache kind (blocks, a slot...) is kept
+    by that kind's pool, by ``seq_id``.
     """
 
     _ids = itertools.count()
@@ -76,8 +78,23 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, logprobs: dict | None = None) -> None:
+        """Append a generated token, with its ``{token_id: Logprob}`` when log-probs are asked
+        for; the output text follows when the sequence has a detokenizer."""
         self.token_ids.append(token_id)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token_id].logprob
+        if self.detokenizer is not None:
+            delta = self.detokenizer.step(self.output_token_ids)
+            self.output_text, self.last_text_delta_len = self.detokenizer.text, len(delta)
+
+    def add_prompt_logprobs(self, first: int, entries: list[dict]) -> None:
+        """Log-probs of prompt positions ``first``, ``first + 1``, ...; those collected
+        already (a recompute after preemption computes them again) are skipped."""
+        for position, entry in enumerate(entries, start=first):
+            if position + 1 == len(self.prompt_logprobs):
+                self.prompt_logprobs.append(entry)
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, status={self.status.value}, len={len(self)}, "

@@ -176,7 +176,7 @@ def test_prefill_logits_match_transformers(checkpoint, llm, cases):
         ids, mm = engine.process_prompt(text, {"image": images})
         seq = Sequence(ids, GREEDY)
         seq.multimodal = mm
-        assert engine.cache.admit(seq) and engine.cache.reserve(seq, len(ids))
+        assert engine.cache.admit(seq) is not None and engine.cache.reserve(seq, len(ids))
         try:
             batch = engine.runner.prepare(ScheduledBatch([seq], [len(ids)], is_prefill=True))
             with torch.inference_mode():
