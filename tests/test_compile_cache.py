@@ -1,6 +1,7 @@
-"""The persistent compile cache (``qllm.runner.compile_cache``): a second engine, in a fresh
-process with the same cache folder, loads its compiled graphs from the cache and generates
-the same tokens; with the cache off, nothing is written there."""
+"""The persistent compile cache (``qllm.runner.compile_cache``): where it is and how it is
+turned off; a second engine, in a fresh process with the same cache folder, loads its
+compiled graphs from the cache and generates the same tokens; with the cache off, nothing is
+written there."""
 
 from __future__ import annotations
 
@@ -8,8 +9,41 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from qllm.runner import compile_cache
+
+CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING")
+
+
+def test_cache_root_is_the_setting_else_the_environment_else_the_default(monkeypatch,
+                                                                         tmp_path):
+    monkeypatch.setenv("QLLM_CACHE_DIR", str(tmp_path / "env"))
+    assert compile_cache.cache_root(None) == tmp_path / "env"
+    assert compile_cache.cache_root(str(tmp_path / "setting")) == tmp_path / "setting"
+    assert compile_cache.cache_root("off") is None
+    monkeypatch.setenv("QLLM_CACHE_DIR", "OFF")
+    assert compile_cache.cache_root(None) is None
+    monkeypatch.setenv("QLLM_CACHE_DIR", "")
+    assert compile_cache.cache_root(None) == Path.home() / ".cache" / "qllm"
+
+
+def test_turning_the_cache_off_puts_back_the_environment_it_replaced(monkeypatch, tmp_path):
+    for name in CACHE_ENV:  # monkeypatch restores this process's own values afterwards
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "own"))
+    monkeypatch.setattr(compile_cache, "_replaced_env", {})
+    cache = compile_cache.configure(str(tmp_path / "qllm"))
+    assert cache.folder == tmp_path / "qllm" / compile_cache.versions_folder()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache.folder / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(cache.triton_folder)
+    assert not compile_cache.configure("off").enabled
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "own")
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    assert "TRITON_CACHE_AUTOTUNING" not in os.environ
+
 
 # One engine with compiled decode (one prompt: prefill regions, then decode of batch 1):
 # prints its start-up summary, taken after the request, and the tokens.
