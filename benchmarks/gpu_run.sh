@@ -26,8 +26,10 @@
 #   their profiles keep the GDN state in bf16, as vLLM's anchors do (WORKLOADS.md), and
 #   w2-fp32-state runs W2 with the fp32 default; w2-256: W2 at max_num_seqs=256 and
 #   max_model_len=4096 (the outside harness's settings); w2-int8, w2-fp8, w3-int8, w3-fp8:
-#   W2 / W3 with 8-bit weights (qllm-kernels-int8); int8-tests: that plugin's kernel,
-#   accuracy and weight-format tests; config-tests: the Qwen3.5 config variants (a shared
+#   W2 / W3 with 8-bit weights (qllm-kernels-int8); w2-prefix-cache: W2 (no shared
+#   prefixes) with the hybrid prefix cache on (64 state checkpoints); prefix-cache:
+#   prefix_cache.py (64 requests sharing a 4,000-token prompt, cache off then on);
+#   int8-tests: that plugin's kernel, accuracy and weight-format tests; config-tests: the Qwen3.5 config variants (a shared
 #   expert of another size) on CUDA; profile-w1/w2/w3,
 #   profile-w1-prefill, profile-w2-prefill: profile_step.py;
 #   ncu-gdn: Nsight Compute counters of the GDN decode kernel at batch 200 (bf16 state in
@@ -120,6 +122,10 @@ for stage in "$@"; do
         w3-int8|w3-fp8) run "${stage/-/_}" 200 python3 benchmarks/throughput.py --workload w3 \
                             --max-num-seqs 1 --max-model-len 1024 --recurrent-state-dtype \
                             bfloat16 --quantization "${stage#w3-}" ;;
+        w2-prefix-cache) run w2_prefix_cache 300 python3 benchmarks/throughput.py --workload w2 \
+                             --max-num-seqs 200 --max-model-len 3072 --recurrent-state-dtype \
+                             bfloat16 --prefix-state-cache-slots 64 ;;
+        prefix-cache) run prefix_cache 300 python3 benchmarks/prefix_cache.py ;;
         w2-peer) run w2_peer 200 python3 benchmarks/throughput.py --workload w2 \
                      --engine transformers --peer-prompts 32 --peer-batch 32 \
                      --peer-max-tokens 200 ;;

@@ -1,4 +1,4 @@
-"""Prefix caching of a hybrid model (issue 26): 64 requests sharing a 4,000-token system prompt,
+"""Prefix caching of a hybrid model: 64 requests sharing a 4,000-token system prompt,
 each with its own 200-token suffix and 128 output tokens, with and without the prefix cache
 (``prefix_state_cache_slots`` recurrent-state checkpoints), random weights at the
 Qwen3.5-35B-A3B geometry (``load_format="dummy"``).
@@ -7,14 +7,14 @@ Qwen3.5-35B-A3B geometry (``load_format="dummy"``).
     python benchmarks/prefix_cache.py --num-layers 8 --modes on
     python benchmarks/prefix_cache.py --cold                # no request primes the cache
     python benchmarks/prefix_cache.py --model DIR --device cpu --system-tokens 300 \\
-        --suffix-tokens 20 --output-tokens 8 --num-requests 4  # a smoke run on a tiny model
+        --suffix-tokens 20 --output-tokens 8 --num-requests 4 --max-model-len 1024  # a tiny model
 
-Before the timed requests one request with the system prompt (and a suffix of its own) is
-served in both modes, as a server with a fixed system prompt would have served one already
-(``--cold`` skips it: then requests admitted in the same step cannot hit each other). Prints
-one JSON line per mode: mean / p50 / p90 time to first token (from submission, all requests
-submitted at once), output throughput, wall seconds, the prefix-cache counters
-(``CacheRegistry.prefix_cache_stats``) and the commit.
+Each mode runs in its own process. Before the timed requests one request with the system
+prompt (and a suffix of its own) is served in both modes, as a server with a fixed system
+prompt would have served one already (``--cold`` skips it: then requests admitted in the same
+step cannot hit each other). Prints one JSON line per mode: mean / p50 / p90 time to first
+token (from submission, all requests submitted at once), output throughput, wall seconds, the
+prefix-cache counters (``CacheRegistry.prefix_cache_stats``) and the commit.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -112,10 +114,15 @@ def main() -> None:
         model_dir, args.load_format = args.model, "auto"
     else:
         model_dir, args.load_format = write_config(QWEN3_5_35B_A3B, args.num_layers), "dummy"
-    for mode in args.modes.split(","):
+    modes = args.modes.split(",")
+    for mode in modes:
         if mode not in ("on", "off"):
             parser.error(f"--modes takes on and off, not {mode!r}")
-        print(json.dumps(run(model_dir, mode == "on", args)), flush=True)
+    if len(modes) == 1:
+        print(json.dumps(run(model_dir, modes[0] == "on", args)), flush=True)
+        return
+    for mode in modes:  # each engine in its own process: two at the real geometry do not fit
+        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--modes", mode], check=True)
 
 
 if __name__ == "__main__":
