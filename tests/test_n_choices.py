@@ -36,6 +36,19 @@ def test_n_choices_are_the_seeded_requests_one_by_one(llm):
     assert_cache_free(llm)
 
 
+def test_each_prompt_is_tokenized_and_validated_once_for_all_its_choices(llm, monkeypatch):
+    engine = llm.engine
+    calls = {"tokenize": 0, "validate": 0}
+    for name in calls:
+        def counted(*args, _name=name, _method=getattr(engine, name)):
+            calls[_name] += 1
+            return _method(*args)
+        monkeypatch.setattr(engine, name, counted)
+    results = llm.generate(random_prompts([9, 4]), sampled(n=3, seed=2), use_tqdm=False)
+    assert [len(r["outputs"]) for r in results] == [3, 3]
+    assert calls == {"tokenize": 2, "validate": 2}
+
+
 def test_unseeded_choices_are_independent(llm):
     result = llm.generate(random_prompts([10]), sampled(n=6), use_tqdm=False)[0]
     assert len({tuple(c["token_ids"]) for c in result["outputs"]}) == 6
