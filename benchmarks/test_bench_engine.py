@@ -45,8 +45,8 @@ def test_block_allocation_and_release(benchmark):
 def decode_engine(tmp_path_factory):
     """An engine on a tiny model with 256 running sequences, ready to decode. Scheduling is
     synchronous, so every input token is on the host when a step's metadata is built."""
-    from helpers import save_tiny_qwen3
     from qllm import LLM
+    from qllm.testing import save_tiny_qwen3
 
     path = tmp_path_factory.mktemp("bench-qwen3")
     save_tiny_qwen3(path, max_position_embeddings=2048)
