@@ -222,6 +222,9 @@ class EngineConfig:
     # weight format (qllm_weight_formats hook), e.g. "int8" / "fp8" from qllm-kernels-int8;
     # None: the checkpoint's own quantization_config, else full precision
     quantization: str | None = None
+    # ranks of tensor parallelism (qllm.distributed): heads and intermediate dimensions split
+    # over this many GPUs (gloo processes on CPU); 1: one process, no collectives
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if self.dtype != "auto":
@@ -230,7 +233,7 @@ class EngineConfig:
                                                    "recurrent_state_dtype")
         check_field_types(self)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len",
-                     "kv_cache_memory_bytes", "num_kv_blocks"):
+                     "kv_cache_memory_bytes", "num_kv_blocks", "tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

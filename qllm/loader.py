@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from qllm.distributed.shards import CheckpointSlice
 from qllm.layers.linear import default_weight_loader
 from qllm.model_api import CausalLM
 
@@ -44,15 +45,21 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in files]
 
 
-def iterate_checkpoint(files: list[str], device: torch.device,
-                       progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor, read straight onto ``device``."""
+def iterate_checkpoint(files: list[str], device: torch.device, progress: bool = True,
+                       lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor, read straight onto ``device``; with
+    ``lazy``, ``(name, CheckpointSlice)`` instead, read by the weight loader (a
+    tensor-parallel rank reads only its shard of each)."""
     for path in tqdm(files, desc="Loading safetensors", unit="file",
                      disable=not progress or len(files) < 2):
         try:
             with safe_open(path, framework="pt", device=str(device)) as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if lazy:
+                        handle = f.get_slice(name)
+                        yield name, CheckpointSlice(handle, handle.get_shape())
+                    else:
+                        yield name, f.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise CheckpointError(f"cannot read {path}: it is corrupt or truncated ({exc})") \
                 from exc

@@ -9,6 +9,7 @@ import os
 import torch
 
 from qllm.config import EngineConfig
+from qllm.distributed.parallel_state import get_tp
 from qllm.loader import (checkpoint_dtypes, checkpoint_files, init_dummy_weights,
                          iterate_checkpoint, load_weights)
 from qllm.model_api import CausalLM
@@ -55,6 +56,10 @@ def build_model(config: EngineConfig, hf_config, plugins: PluginRegistry, kernel
     logger.info("building %s from %s%s", spec.architecture, spec.plugin,
                 f", weights {weight_format.name}" if weight_format else "")
     dummy = config.load_format == "dummy"
+    tp = get_tp()
+    if weight_format is not None and tp.size > 1:
+        raise ValueError(f"weights {weight_format.name} are not supported with "
+                         f"tensor_parallel_size > 1 yet")
     files = None if dummy else checkpoint_files(config.model)
     with torch.device("meta"):
         model = spec.build(hf_config, kernels, config)
@@ -67,7 +72,8 @@ def build_model(config: EngineConfig, hf_config, plugins: PluginRegistry, kernel
     if dummy:
         init_dummy_weights(model, config.seed)
     else:
-        weights = iterate_checkpoint(files, device)
+        # a tensor-parallel rank reads only its shard of each tensor
+        weights = iterate_checkpoint(files, device, progress=tp.rank == 0, lazy=tp.size > 1)
         if weight_format is not None:
             weights = weight_format.map_checkpoint(model, weights)
         load_weights(model, weights)

@@ -26,7 +26,10 @@ class CacheRegistry:
     """Every cache pool of one engine; the scheduler talks to this, never to a pool directly."""
 
     def __init__(self, model: torch.nn.Module, plugins: PluginRegistry, config: EngineConfig,
-                 device: torch.device):
+                 device: torch.device, agree=None):
+        """``agree(units) -> units``: tensor-parallel ranks settle on one unit count per kind
+        (the fewest any rank has room for), so that block tables and slots mean the same
+        everywhere; each rank's units hold its own heads."""
         by_kind: dict[str, list] = {}
         for layer in model.cache_layers():
             kind = plugins.layer_kinds.get(layer.layer_kind)
@@ -55,6 +58,8 @@ class CacheRegistry:
             per_unit = specs[name].bytes_per_unit(by_kind[name], config)
             units = config.num_kv_blocks or budget // len(sized) // per_unit
             fixed[name] = int(units)
+        if agree is not None:
+            fixed = agree(fixed)
 
         self.pools: dict[str, CachePool] = {}
         for name, spec in specs.items():

@@ -68,13 +68,21 @@ class LLMEngine:
                              f"max_position_embeddings={max_positions}")
         self.config = config
         self.kernels = self.plugins.kernels(self.device, config.dtype, config.kernels)
-        with self.startup.phase("load"):
-            self.model = build_model(config, hf_config, self.plugins, self.kernels, self.device)
-        self.cache = CacheRegistry(self.model, self.plugins, config, self.device)
+        self.executor = None  # the workers of a tensor-parallel engine (qllm.distributed)
+        if config.tensor_parallel_size > 1:  # this process is rank 0; the ranks start here
+            from qllm.distributed.executor import start_engine_shards
+
+            self.executor, self.model, self.cache, self.runner = start_engine_shards(
+                self, config, hf_config, self.plugins, self.kernels, self.device)
+        else:
+            with self.startup.phase("load"):
+                self.model = build_model(config, hf_config, self.plugins, self.kernels,
+                                         self.device)
+            self.cache = CacheRegistry(self.model, self.plugins, config, self.device)
+            with self.startup.phase("graph_capture"):  # and the compile set-up
+                self.runner = ModelRunner(self.model, config, self.cache, self.device,
+                                          self.vocab_size)
         self.scheduler = Scheduler(config, self.cache)
-        with self.startup.phase("graph_capture"):  # and the compile set-up
-            self.runner = ModelRunner(self.model, config, self.cache, self.device,
-                                      self.vocab_size)
         self.tokenizer = load_tokenizer(config.model)
         # a multimodal model's media prompts (qllm.multimodal); None for a text-only model
         self.input_processor = self.model.input_processor(config.model, self.tokenizer)

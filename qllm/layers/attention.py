@@ -5,9 +5,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qllm.distributed.parallel_state import TensorParallel
 from qllm.plugins import Kernels
 from qllm.runner.batch import ForwardBatch
 from qllm.specs import CacheRequirement
+
+
+def head_shards(num_heads: int, num_kv_heads: int, tp: TensorParallel
+                ) -> tuple[int, int, dict[str, tuple[int, int]]]:
+    """Tensor-parallel attention heads: ``(local query heads, local KV heads, shard parts of
+    the packed q/k/v projection)``. Query heads are split over the ranks; KV heads too, or,
+    with fewer KV heads than ranks, each replicated on ``size / num_kv_heads`` ranks (the
+    ranks of one group of query heads). ``ValueError`` names a count that does not divide."""
+    heads = tp.shard(num_heads, "num_attention_heads")
+    kv_heads, parts, index = tp.replicated_shard(num_kv_heads, "num_key_value_heads")
+    if tp.size == 1:
+        return heads, kv_heads, {}
+    return heads, kv_heads, {"q": (tp.size, tp.rank), "k": (parts, index),
+                             "v": (parts, index)}
 
 
 class PagedAttention(nn.Module):

@@ -6,21 +6,30 @@ import torch
 from torch import nn
 
 from qllm.layers.activation import silu_and_mul
-from qllm.layers.linear import Linear, PackedLinear
+from qllm.distributed.parallel_state import get_tp
+from qllm.layers.linear import PackedLinear, RowParallelLinear, column_parts
 from qllm.plugins import Kernels
 
 
 class SwiGLUMLP(nn.Module):
     """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with ``gate_proj``/``up_proj`` packed
-    into one matmul (``gate_up_proj``)."""
+    into one matmul (``gate_up_proj``).
+
+    Tensor parallel: gate/up column-parallel and ``down_proj`` row-parallel over the
+    intermediate dimension, one all-reduce (``reduce=False``: none, the caller sums the
+    partial outputs, e.g. the MoE block with its routed experts)."""
 
     prefill_region = True  # see CausalLM.prefill_regions
 
-    def __init__(self, hidden_size: int, intermediate_size: int, kernels: Kernels):
+    def __init__(self, hidden_size: int, intermediate_size: int, kernels: Kernels,
+                 reduce: bool = True):
         super().__init__()
-        self.gate_up_proj = PackedLinear(hidden_size, {"gate": intermediate_size,
-                                                       "up": intermediate_size}, kernels)
-        self.down_proj = Linear(intermediate_size, hidden_size, kernels)
+        tp = get_tp()
+        local = tp.shard(intermediate_size, "intermediate_size")
+        self.gate_up_proj = PackedLinear(hidden_size, {"gate": local, "up": local}, kernels,
+                                         shard_parts=column_parts(tp, ("gate", "up")))
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, kernels, tp=tp,
+                                           reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` -> ``[T, H]``."""

@@ -77,6 +77,23 @@ class SampledStep:
         return out
 
 
+@dataclasses.dataclass
+class HostInputs:
+    """One step's inputs on the host (``ModelRunner.host_inputs``), as ``stage`` takes them:
+    ``fields`` name -> (values, dtype), the cache kinds' fields named ``"{kind}.{field}"``
+    (``cache_fields`` lists each kind's); host copies of the query and sequence lengths;
+    ``num_sampled`` rows whose next token is sampled (before any padding); the media rows'
+    encoder outputs (prefill with media only). Picklable."""
+
+    is_prefill: bool
+    fields: dict[str, tuple[list, torch.dtype]]
+    cache_fields: dict[str, list[str]]
+    query_lens: list[int]
+    seq_lens: list[int]
+    num_sampled: int
+    encoder_embeds: torch.Tensor | None = None
+
+
 class ModelRunner:
     """Owns the model and turns scheduled batches into sampled tokens.
 
@@ -118,6 +135,14 @@ class ModelRunner:
         device tokens. A prefill step's rows of media placeholders get their encoder's output
         (``batch.encoder_rows`` / ``encoder_embeds``; the encoder runs on an item's first
         step)."""
+        inputs = self.host_inputs(scheduled, pad_to, fixed_layout, previous)
+        return self.stage_inputs(inputs, None if previous is None else previous.device_tokens)
+
+    def host_inputs(self, scheduled: ScheduledBatch, pad_to: int | None = None,
+                    fixed_layout: bool = False, previous: SampledStep | None = None
+                    ) -> HostInputs:
+        """The host half of ``prepare``: the step's fields as lists, before staging (what a
+        tensor-parallel driver sends its workers)."""
         input_ids, positions = [], []
         axes_positions = [[] for _ in range(self.position_axes)]
         mm_rows, mm_embeds = [], []
@@ -179,29 +204,41 @@ class ModelRunner:
             fields["pending_sources"] = (pending_sources, torch.int64)
         if mm_rows:  # prefill only
             fields["encoder_rows"] = (mm_rows, torch.int64)
-        staged, tensors, layout = stage(fields, self.device)
+        return HostInputs(scheduled.is_prefill, fields,
+                          {name: list(kind_fields) for name, kind_fields in cache_fields.items()},
+                          query_lens, seq_lens, len(logits_indices) - num_padding,
+                          torch.cat(mm_embeds) if mm_rows else None)
+
+    def stage_inputs(self, inputs: HostInputs, pending_tokens: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+        """The device half of ``prepare``: stage ``inputs`` in one copy and build the
+        ``ForwardBatch``; pending input tokens come from ``pending_tokens`` (the device tokens
+        of the step before)."""
+        staged, tensors, layout = stage(inputs.fields, self.device)
         caches = {name: pool.batch_type(**{field: tensors[f"{name}.{field}"]
-                                           for field in cache_fields[name]})
+                                           for field in inputs.cache_fields[name]})
                   for name, pool in self.pools}
+        prefill = inputs.is_prefill
+        embeds = inputs.encoder_embeds
         batch = ForwardBatch(
-            is_prefill=scheduled.is_prefill,
+            is_prefill=prefill,
             query_start_loc=tensors["query_start_loc"],
             seq_lens=tensors["seq_lens"],
             context_lens=tensors["context_lens"],
             logits_indices=tensors["logits_indices"],
             caches=caches,
-            query_lens_host=query_lens if scheduled.is_prefill else None,
-            seq_lens_host=seq_lens if scheduled.is_prefill else None,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
+            query_lens_host=inputs.query_lens if prefill else None,
+            seq_lens_host=inputs.seq_lens if prefill else None,
+            max_query_len=max(inputs.query_lens),
+            max_seq_len=max(inputs.seq_lens),
             staged=staged,
             staged_layout=layout,
-            encoder_rows=tensors["encoder_rows"] if mm_rows else None,
-            encoder_embeds=torch.cat(mm_embeds) if mm_rows else None,
+            encoder_rows=tensors.get("encoder_rows"),
+            encoder_embeds=None if embeds is None else embeds.to(self.device),
         )
         input_ids = tensors["input_ids"]
-        if pending_rows:
-            input_ids[tensors["pending_rows"]] = previous.device_tokens[tensors["pending_sources"]]
+        if "pending_rows" in tensors:
+            input_ids[tensors["pending_rows"]] = pending_tokens[tensors["pending_sources"]]
         return input_ids, tensors["positions"], batch
 
     def _encoded(self, item) -> torch.Tensor:
@@ -239,10 +276,9 @@ class ModelRunner:
         bucket = self.graphs.bucket(len(scheduled)) \
             if self.graphs is not None and not scheduled.is_prefill else None
         if bucket is not None:
-            input_ids, positions, batch = self.prepare(scheduled, pad_to=bucket,
-                                                       fixed_layout=True, previous=previous)
+            input_ids, positions, batch = self._step_inputs(scheduled, previous, bucket)
             return self.graphs.replay(input_ids, positions, batch)[:len(scheduled)]
-        input_ids, positions, batch = self.prepare(scheduled, previous=previous)
+        input_ids, positions, batch = self._step_inputs(scheduled, previous)
         if prompt_logprobs is None:
             return self._forward_logits(input_ids, positions, batch)
         rows, targets, k = prompt_logprobs
@@ -253,6 +289,13 @@ class ModelRunner:
                                                                         non_blocking=True)
         return logits, prompt_token_logprobs(self.model.compute_logits, hidden, staged[0],
                                              staged[1], k)
+
+    def _step_inputs(self, scheduled: ScheduledBatch, previous: SampledStep | None,
+                     bucket: int | None = None):
+        """A step's inputs for ``step_logits``, padded to the graph ``bucket`` if one (a
+        tensor-parallel driver also sends them to its workers here)."""
+        return self.prepare(scheduled, pad_to=bucket, fixed_layout=bucket is not None,
+                            previous=previous)
 
     def _prompt_logprob_rows(self, scheduled: ScheduledBatch):
         """The prompt positions of a prefill step whose log-probs are asked for and not yet

@@ -6,10 +6,11 @@ import torch
 from torch import nn
 
 from qllm.config import EngineConfig
-from qllm.layers.attention import PagedAttention
+from qllm.distributed.parallel_state import get_tp
+from qllm.layers.attention import PagedAttention, head_shards
 from qllm.layers.decoder_stack import DecoderStack
 from qllm.layers.embedding import LMHead
-from qllm.layers.linear import Linear, PackedLinear
+from qllm.layers.linear import PackedLinear, RowParallelLinear
 from qllm.layers.mlp import SwiGLUMLP
 from qllm.layers.norm import RMSNorm
 from qllm.layers.rotary import QKNormRotary, rope_theta
@@ -21,15 +22,17 @@ from qllm.runner.batch import ForwardBatch
 class Qwen3Attention(nn.Module):
     def __init__(self, config, kernels: Kernels, cache_dtype: torch.dtype):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # this rank's heads (all of them without tensor parallelism)
+        self.num_heads, self.num_kv_heads, parts = head_shards(
+            config.num_attention_heads, config.num_key_value_heads, get_tp())
         self.head_dim = getattr(config, "head_dim", None) or \
             config.hidden_size // config.num_attention_heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_size, "k": kv_size,
                                                           "v": kv_size},
-                                     kernels, bias=config.attention_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, kernels, bias=config.attention_bias)
+                                     kernels, bias=config.attention_bias, shard_parts=parts)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
+                                        config.hidden_size, kernels, bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_rotary = QKNormRotary(self.head_dim, self.head_dim,

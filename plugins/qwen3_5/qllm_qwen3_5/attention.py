@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qllm.layers.attention import PagedAttention
-from qllm.layers.linear import Linear, PackedLinear
+from qllm.distributed.parallel_state import get_tp
+from qllm.layers.attention import PagedAttention, head_shards
+from qllm.layers.linear import PackedLinear, RowParallelLinear
 from qllm.layers.norm import RMSNorm
 from qllm.layers.rotary import MultiAxisQKNormRotary, QKNormRotary, rope_theta
 from qllm.plugins import Kernels
@@ -25,16 +26,19 @@ class GatedAttention(nn.Module):
     def __init__(self, config, kernels: Kernels, cache_dtype: torch.dtype,
                  multi_axis_positions: bool = False):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # this rank's heads (all of them without tensor parallelism); q_proj's rows are
+        # per head, so a contiguous part of them is a part of the heads
+        self.num_heads, self.num_kv_heads, parts = head_shards(
+            config.num_attention_heads, config.num_key_value_heads, get_tp())
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False))
         # q_proj rows are [q | gate] per head; they stay interleaved inside the "q" shard.
         self.qkv_proj = PackedLinear(config.hidden_size,
                                      {"q": 2 * q_size, "k": kv_size, "v": kv_size}, kernels,
-                                     bias=bias)
-        self.o_proj = Linear(q_size, config.hidden_size, kernels, bias=bias)
+                                     bias=bias, shard_parts=parts)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
+                                        config.hidden_size, kernels, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered=True)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered=True)
         rotary_args = (self.head_dim, rotary_dim_of(config), config.max_position_embeddings,

@@ -13,8 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qllm.distributed.parallel_state import TensorParallel, get_tp
+from qllm.distributed.shards import materialize, narrow_part, narrow_sections
 from qllm.layers.gated_norm import RMSNormGated
-from qllm.layers.linear import Linear, default_weight_loader
+from qllm.layers.linear import Linear, RowParallelLinear, default_weight_loader
 from qllm.plugins import Kernels
 from qllm.runner.batch import ForwardBatch
 from qllm.specs import CacheRequirement
@@ -28,10 +30,20 @@ class GDNInputProjection(Linear):
     ``in_proj_a`` or Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``, whose rows are grouped per
     key head (``[q dk | k dk | v r*dv | z r*dv]`` and ``[b r | a r]``, ``r = Hv / Hk``).
     The shard names are the checkpoint's projection names.
+
+    Tensor parallel (``tp``): every part is split by heads, each rank holding ``Hk / size``
+    key heads and their ``Hv / size`` value heads, in the same row order; a rank reads its
+    heads' rows of each checkpoint projection (Qwen3-Next's are contiguous key-head groups).
     """
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
-                 head_v_dim: int, fused_checkpoint: bool, kernels: Kernels):
+                 head_v_dim: int, fused_checkpoint: bool, kernels: Kernels,
+                 tp: TensorParallel | None = None):
+        self.tp = tp = tp or get_tp()
+        full = [num_k_heads * head_k_dim] * 2 + [num_v_heads * head_v_dim] * 2 + [num_v_heads] * 2
+        self.full_sizes = full  # the parts' rows in the checkpoint
+        num_k_heads = tp.shard(num_k_heads, "linear_num_key_heads")
+        num_v_heads = tp.shard(num_v_heads, "linear_num_value_heads")
         self.hk, self.hv, self.dk, self.dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
         key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.sizes = [key_dim, key_dim, value_dim, value_dim, num_v_heads, num_v_heads]
@@ -49,25 +61,30 @@ class GDNInputProjection(Linear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard: str | None = None) -> None:
-        if shard is None:  # already fused in our row order
-            default_weight_loader(param, loaded)
-        elif shard == "in_proj_qkvz":
+        if shard == "in_proj_qkvz":
             self._load_grouped(param, loaded, [self.dk, self.dk, self.hv // self.hk * self.dv,
                                                self.hv // self.hk * self.dv], first_part=0)
         elif shard == "in_proj_ba":
             self._load_grouped(param, loaded, [self.hv // self.hk] * 2, first_part=4)
-        else:
-            offset, size = self.shard_offsets[shard]
-            default_weight_loader(param.data.narrow(0, offset, size), loaded)
+        else:  # whole (already fused in our row order) or one of Qwen3.5's projections
+            parts = {None: range(6), "in_proj_qkv": range(3), "in_proj_z": [3],
+                     "in_proj_b": [4], "in_proj_a": [5]}[shard]
+            pieces = narrow_sections(loaded, 0, [self.full_sizes[i] for i in parts],
+                                     self.tp.size, self.tp.rank)
+            for i, piece in zip(parts, pieces):
+                default_weight_loader(param.data.narrow(0, self.row_starts[i], self.sizes[i]),
+                                      piece)
 
     def _load_grouped(self, param: nn.Parameter, loaded: torch.Tensor, per_head: list[int],
                       first_part: int) -> None:
         """Un-group rows stored per key head ``[Hk, sum(per_head), H]`` into the parts'
         contiguous row ranges."""
-        expected = (self.hk * sum(per_head), self.in_features)
+        expected = (self.hk * self.tp.size * sum(per_head), self.in_features)
         if tuple(loaded.shape) != expected:
             raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected "
                              f"{expected} (rows grouped per key head)")
+        # this rank's key heads: a contiguous run of the groups
+        loaded = materialize(narrow_part(loaded, 0, self.tp.size, self.tp.rank))
         parts = loaded.view(self.hk, sum(per_head), self.in_features).split(per_head, dim=1)
         for i, part in enumerate(parts):  # part: [Hk, rows per key head, H]
             start, size = self.row_starts[first_part + i], self.sizes[first_part + i]
@@ -79,16 +96,39 @@ class GDNInputProjection(Linear):
         return list(out.split([conv_dim, self.sizes[3], self.hv, self.hv], dim=-1))
 
 
+class DepthwiseConv1d(nn.Conv1d):
+    """The GDN's depthwise conv weight ``[C, 1, K]`` over the ``[q | k | v]`` channels,
+    ``sections`` of them in the checkpoint; a tensor-parallel rank holds its heads' channels
+    of each section (exact: the conv is depthwise)."""
+
+    def __init__(self, sections: list[int], kernel_size: int, tp: TensorParallel):
+        channels = sum(tp.shard(size, "the GDN conv channels") for size in sections)
+        super().__init__(channels, channels, kernel_size, groups=channels, bias=False)
+        self.sections, self.tp = sections, tp
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        start = 0
+        for piece in narrow_sections(loaded, 0, self.sections, self.tp.size, self.tp.rank):
+            default_weight_loader(param.data.narrow(0, start, piece.shape[0]), piece)
+            start += piece.shape[0]
+
+
 class GatedDeltaNet(nn.Module):
-    """One Gated DeltaNet layer; HF parameter names except the fused ``in_proj``."""
+    """One Gated DeltaNet layer; HF parameter names except the fused ``in_proj``.
+
+    Tensor parallel: split by heads (``GDNInputProjection``), the conv channels, ``A_log``
+    and ``dt_bias`` with them, the gated norm per head (local), ``out_proj`` row-parallel
+    with one all-reduce; each rank's recurrent state holds its heads only."""
 
     layer_kind = "linear_attention"
 
     def __init__(self, config, kernels: Kernels, conv_dtype: torch.dtype,
                  ssm_dtype: torch.dtype, fused_checkpoint: bool):
         super().__init__()
-        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, \
-            config.linear_num_value_heads
+        self.tp = tp = get_tp()
+        # this rank's heads (all of them without tensor parallelism)
+        self.num_k_heads = tp.shard(config.linear_num_key_heads, "linear_num_key_heads")
+        self.num_v_heads = tp.shard(config.linear_num_value_heads, "linear_num_value_heads")
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
@@ -97,21 +137,26 @@ class GatedDeltaNet(nn.Module):
         self.conv_kernel_size = config.linear_conv_kernel_dim
         self.conv_dtype, self.ssm_dtype = conv_dtype, ssm_dtype
 
-        self.in_proj = GDNInputProjection(config.hidden_size, self.num_k_heads, self.num_v_heads,
-                                          self.head_k_dim, self.head_v_dim, fused_checkpoint,
-                                          kernels)
+        self.in_proj = GDNInputProjection(config.hidden_size, config.linear_num_key_heads,
+                                          config.linear_num_value_heads, self.head_k_dim,
+                                          self.head_v_dim, fused_checkpoint, kernels, tp)
         # Holds the depthwise weight [conv_dim, 1, K] under its HF name; the ops apply it.
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel_size,
-                                groups=self.conv_dim, bias=False)
+        self.conv1d = DepthwiseConv1d([self.key_dim * tp.size] * 2 + [self.value_dim * tp.size],
+                                      self.conv_kernel_size, tp)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = RMSNormGated(self.head_v_dim, kernels, eps=config.rms_norm_eps)
-        self.out_proj = Linear(self.value_dim, config.hidden_size, kernels)
+        self.out_proj = RowParallelLinear(self.value_dim * tp.size, config.hidden_size,
+                                          kernels, tp=tp)
 
         self._conv_prefill = kernels.causal_conv1d_prefill
         self._conv_update = kernels.causal_conv1d_update
         self._gdn_prefill = kernels.gdn_prefill
         self._gdn_decode = kernels.gdn_decode
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """``A_log`` / ``dt_bias`` ``[Hv]``: this rank's value heads."""
+        default_weight_loader(param, narrow_part(loaded, 0, self.tp.size, self.tp.rank))
 
     def cache_requirement(self) -> CacheRequirement:
         return CacheRequirement(

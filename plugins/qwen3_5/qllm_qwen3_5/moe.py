@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qllm.distributed.parallel_state import TensorParallel, all_reduce, get_tp
+from qllm.distributed.shards import narrow_part, narrow_sections
 from qllm.layers.activation import silu_and_mul
 from qllm.layers.linear import PackedLinear, default_weight_loader
 from qllm.layers.mlp import SwiGLUMLP
@@ -64,35 +66,50 @@ class StackedExpertWeight(nn.Module):
     (gate, up) each expert's rows are the parts in order.
     """
 
-    def __init__(self, num_experts: int, parts: tuple[str, ...], rows: int, cols: int):
+    def __init__(self, num_experts: int, parts: tuple[str, ...], rows: int, cols: int,
+                 tp: TensorParallel | None = None, split_dim: int = 0):
         super().__init__()
-        self.rows = rows
+        self.rows, self.num_parts = rows, len(parts)
         self.weight = nn.Parameter(torch.empty(num_experts, len(parts) * rows, cols))
         self.shard_offsets = {f"{part}:{e}": (e, i * rows)
                               for e in range(num_experts) for i, part in enumerate(parts)}
+        # tensor parallel: each part's dim `split_dim` (0: rows, 1: columns) is this rank's
+        # share of the checkpoint's
+        self.tp, self.split_dim = tp or get_tp(), split_dim
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard: str | None = None) -> None:
-        if shard is None:
-            default_weight_loader(param, loaded)
+        tp, dim = self.tp, self.split_dim
+        if shard is None:  # [E, parts * rows, cols], each part split on its own
+            if dim == 0:
+                pieces = narrow_sections(loaded, 1, [loaded.shape[1] // self.num_parts]
+                                         * self.num_parts, tp.size, tp.rank)
+            else:
+                pieces = [narrow_part(loaded, 2, tp.size, tp.rank)]
+            for i, piece in enumerate(pieces):
+                default_weight_loader(param.data.narrow(1, i * self.rows, self.rows), piece)
             return
         expert, offset = self.shard_offsets[shard]
-        default_weight_loader(param.data[expert].narrow(0, offset, self.rows), loaded)
+        default_weight_loader(param.data[expert].narrow(0, offset, self.rows),
+                              narrow_part(loaded, dim, tp.size, tp.rank))
 
 
 class Experts(nn.Module):
     """The routed experts, ``gate_up_proj.weight [E, 2I, H]`` (gate rows first) and
     ``down_proj.weight [E, H, I]`` (see ``Qwen3_5ForCausalLM.checkpoint_name`` for the
     checkpoint names), run by the ``fused_moe`` op, with the shared expert's weights as
-    expert ``E`` (``forward``) or alone (``routed``)."""
+    expert ``E`` (``forward``) or alone (``routed``). Tensor parallel: each expert's
+    intermediate dimension is split over the ranks (gate/up rows, down columns)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 kernels: Kernels):
+                 kernels: Kernels, tp: TensorParallel | None = None):
         super().__init__()
-        self.gate_up_proj = StackedExpertWeight(num_experts, ("gate", "up"), intermediate_size,
-                                                hidden_size)
-        self.down_proj = StackedExpertWeight(num_experts, ("down",), hidden_size,
-                                             intermediate_size)
+        tp = tp or get_tp()
+        local = tp.shard(intermediate_size, "moe_intermediate_size")
+        self.gate_up_proj = StackedExpertWeight(num_experts, ("gate", "up"), local,
+                                                hidden_size, tp=tp, split_dim=0)
+        self.down_proj = StackedExpertWeight(num_experts, ("down",), hidden_size, local,
+                                             tp=tp, split_dim=1)
         self._fused_moe = kernels.fused_moe
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -165,10 +182,14 @@ class SparseMoeBlock(nn.Module):
         # checkpoints keep gate and shared_expert_gate in bf16 too)
         self.input_proj.quantizable = False
         self.router = Router(config.num_experts_per_tok, renormalize, kernels)
+        self.tp = get_tp()
         self.experts = Experts(config.num_experts, config.hidden_size,
-                               config.moe_intermediate_size, kernels)
+                               config.moe_intermediate_size, kernels, self.tp)
+        # tensor parallel: the routed and the shared experts' partial outputs are summed
+        # over the ranks by one all-reduce after the block
         self.shared_expert = SwiGLUMLP(config.hidden_size,
-                                       config.shared_expert_intermediate_size, kernels)
+                                       config.shared_expert_intermediate_size, kernels,
+                                       reduce=False)
         self.shared_expert_fused = (config.shared_expert_intermediate_size
                                     == config.moe_intermediate_size)
 
@@ -179,9 +200,15 @@ class SparseMoeBlock(nn.Module):
         logits = self.input_proj(x)[:, :self.num_experts + 1]  # [T, E + 1]: router, shared gate
         weights, ids = self.router(logits)  # [T, k + 1] each
         if self.shared_expert_fused:
-            return self.experts(x, weights, ids, self.shared_expert.gate_up_proj.weight,
-                                self.shared_expert.down_proj.weight)
-        return self._routed_then_shared(x, weights, ids)
+            out = self.experts(x, weights, ids, self.shared_expert.gate_up_proj.weight,
+                               self.shared_expert.down_proj.weight)
+        else:
+            out = self._routed_then_shared(x, weights, ids)
+        if self.tp.size == 1:
+            return out
+        # each rank's slots are partial sums over its share of the intermediate dimension:
+        # sum the slots here (in fp32, as the residual add would) and reduce once -> [T, H]
+        return all_reduce(out.sum(dim=1, dtype=torch.float32).to(x.dtype), self.tp)
 
     def _routed_then_shared(self, x: torch.Tensor, weights: torch.Tensor,
                             ids: torch.Tensor) -> torch.Tensor:
