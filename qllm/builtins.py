@@ -5,7 +5,7 @@ from __future__ import annotations
 from qllm.cache.paged_kv import PagedKVPool, bytes_per_block
 from qllm.cache.recurrent_slots import RecurrentSlotPool, bytes_per_slot
 from qllm.hookspecs import hookimpl
-from qllm.ops import attention, gdn, linear, norm, rope
+from qllm.ops.contracts import CORE_OPS
 from qllm.specs import CacheKindSpec, KernelSpec, LayerKindSpec
 
 
@@ -40,18 +40,5 @@ def qllm_layer_kinds():
 
 @hookimpl
 def qllm_kernels():
-    return [
-        KernelSpec(op="kv_store", name="torch", fn=attention.kv_store),
-        KernelSpec(op="paged_attention_prefill", name="torch",
-                   fn=attention.paged_attention_prefill),
-        KernelSpec(op="paged_attention_decode", name="torch",
-                   fn=attention.paged_attention_decode),
-        KernelSpec(op="causal_conv1d_prefill", name="torch", fn=gdn.causal_conv1d_prefill),
-        KernelSpec(op="causal_conv1d_update", name="torch", fn=gdn.causal_conv1d_update),
-        KernelSpec(op="gdn_prefill", name="torch", fn=gdn.gdn_prefill),
-        KernelSpec(op="gdn_decode", name="torch", fn=gdn.gdn_decode),
-        KernelSpec(op="linear", name="torch", fn=linear.linear),
-        KernelSpec(op="add_rms_norm", name="torch", fn=norm.add_rms_norm),
-        KernelSpec(op="rms_norm_gated", name="torch", fn=norm.rms_norm_gated),
-        KernelSpec(op="qk_norm_rope", name="torch", fn=rope.qk_norm_rope),
-    ]
+    """The plain-torch reference of every core op (``qllm.ops.contracts``), named ``torch``."""
+    return [KernelSpec(op=op.name, name="torch", fn=op.reference) for op in CORE_OPS]

@@ -11,6 +11,7 @@ import pluggy
 import torch
 
 from qllm import hookspecs
+from qllm.ops.contracts import parameter_mismatch
 from qllm.specs import CacheKindSpec, KernelSpec, LayerKindSpec, ModelSpec, WeightFormatSpec
 
 logger = logging.getLogger(__name__)
@@ -22,6 +23,11 @@ class DuplicateRegistrationError(ValueError):
 
 class UnknownArchitectureError(ValueError):
     """No installed plugin serves a checkpoint's architecture."""
+
+
+class KernelContractError(TypeError):
+    """A kernel does not take its op's parameters (``qllm.ops.contracts``), or its op has no
+    reference to check it against."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,16 @@ class PluginRegistry:
     def _collect(self, hook) -> list:
         return [spec for specs in hook() for spec in specs]
 
+    def _collect_with_plugin(self, hook) -> list[tuple[str, object]]:
+        """``(plugin, spec)`` for each spec ``hook`` returns, in the order ``hook()`` returns
+        them; ``plugin`` is the registering distribution's name (``qllm-kernels-moe``), or the
+        module's or class's for a plugin registered directly."""
+        distributions = {id(plugin): dist.project_name
+                         for plugin, dist in self.manager.list_plugin_distinfo()}
+        return [(distributions.get(id(impl.plugin)) or getattr(impl.plugin, "__name__", None)
+                 or type(impl.plugin).__name__, spec)
+                for impl in reversed(hook.get_hookimpls()) for spec in impl.function()]
+
     @functools.cached_property
     def models(self) -> dict[str, ModelSpec]:
         return _unique(self._collect(self.manager.hook.qllm_models),
@@ -110,10 +126,13 @@ class PluginRegistry:
         """Choose, per op, the highest-priority kernel available on ``device`` for ``dtype``,
         or the implementation that ``pinned`` names for that op (e.g. ``{"fused_moe":
         "torch"}``); a pin naming an unknown op, an unknown implementation or one unavailable
-        here raises ``ValueError``."""
+        here raises ``ValueError``. Every registered kernel, available here or not, must take
+        its op's reference parameters (``KernelContractError`` otherwise)."""
         by_op: dict[str, list[KernelSpec]] = {}
-        for spec in self._collect(self.manager.hook.qllm_kernels):
+        plugin_of: dict[int, str] = {}
+        for plugin, spec in self._collect_with_plugin(self.manager.hook.qllm_kernels):
             by_op.setdefault(spec.op, []).append(spec)
+            plugin_of[id(spec)] = plugin
         pinned = dict(pinned or {})
         unknown_ops = sorted(set(pinned) - set(by_op))
         if unknown_ops:
@@ -121,6 +140,7 @@ class PluginRegistry:
         chosen = {}
         for op, specs in by_op.items():
             named = _unique(specs, lambda spec: spec.name, f"kernel for op {op!r}")
+            _check_contract(op, named, plugin_of)
             available = [s for s in specs if s.is_available(device, dtype)]
             if op in pinned:
                 spec = named.get(pinned[op])
@@ -136,6 +156,24 @@ class PluginRegistry:
         kernels = Kernels(chosen)
         logger.debug("kernels on %s for %s: %s", device.type, dtype, kernels.names())
         return kernels
+
+
+def _check_contract(op: str, named: dict[str, KernelSpec], plugin_of: dict[int, str]) -> None:
+    """Every kernel of ``op`` (``named``: by implementation name) takes the parameters of the
+    op's reference, its ``torch`` kernel: a core op's from ``qllm.ops.contracts``, a plugin's
+    own op's from that plugin."""
+    reference = named.get("torch")
+    if reference is None:
+        plugins = sorted({plugin_of[id(spec)] for spec in named.values()})
+        raise KernelContractError(
+            f"op {op!r} (kernels {sorted(named)} from {plugins}) has no reference: it is not "
+            f"a core op (qllm.ops.contracts) and no plugin registers its 'torch' kernel")
+    for spec in named.values():
+        mismatch = parameter_mismatch(spec.fn, reference.fn)
+        if mismatch:
+            raise KernelContractError(
+                f"kernel {spec.name!r} of op {op!r} from plugin {plugin_of[id(spec)]} does not "
+                f"take the op's parameters: it {mismatch}")
 
 
 @functools.lru_cache(maxsize=1)

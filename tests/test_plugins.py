@@ -1,5 +1,6 @@
-"""The plugin registry: built-ins registered through the hooks, duplicate registrations, and
-choosing kernels by priority or by the ``kernels=`` pin."""
+"""The plugin registry: built-ins registered through the hooks, duplicate registrations,
+kernels checked against their op's contract, and choosing kernels by priority or by the
+``kernels=`` pin."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import pytest
 import torch
 
 from qllm.hookspecs import hookimpl
-from qllm.plugins import DuplicateRegistrationError, PluginRegistry, default_registry
+from qllm.ops.attention import kv_store
+from qllm.ops.contracts import CORE_OPS
+from qllm.plugins import (DuplicateRegistrationError, KernelContractError, PluginRegistry,
+                          default_registry)
 from qllm.specs import KernelSpec
-from qllm.testing.kernels import kernel_parameters
 
 CPU = torch.device("cpu")
 
@@ -20,31 +23,61 @@ class FastKvStore:
 
     @hookimpl
     def qllm_kernels(self):
-        return [KernelSpec(op="kv_store", name="cuda-only", fn=lambda *a: None, priority=20,
+        return [KernelSpec(op="kv_store", name="cuda-only", fn=kv_store, priority=20,
                            is_available=lambda device, dtype: device.type == "cuda"),
-                KernelSpec(op="kv_store", name="anywhere", fn=lambda *a: None, priority=10)]
+                KernelSpec(op="kv_store", name="anywhere", fn=kv_store, priority=10)]
 
 
 def registry(*plugins) -> PluginRegistry:
     return PluginRegistry(extra_plugins=plugins, load_entry_points=False)
 
 
-def test_builtins_serve_every_op_with_plain_torch():
-    names = registry().kernels(CPU, torch.float32).names()
-    assert {"kv_store", "paged_attention_decode", "paged_attention_prefill"} <= set(names)
-    assert set(names.values()) == {"torch"}
+def test_builtins_serve_every_core_op_with_its_reference():
+    kernels = registry().kernels(CPU, torch.float32)
+    assert kernels.names() == {op.name: "torch" for op in CORE_OPS}
+    assert all(getattr(kernels, op.name) is op.reference for op in CORE_OPS)
 
 
-def test_every_kernel_takes_its_op_reference_parameters():
-    """Each installed kernel of an op is called as the op's plain-torch reference (the
-    implementation named ``torch``) is: same parameter names, same order. (An op whose
-    reference is in a plugin not installed here is not checked.)"""
-    specs = [spec for specs in default_registry().manager.hook.qllm_kernels() for spec in specs]
-    references = {spec.op: kernel_parameters(spec.fn) for spec in specs if spec.name == "torch"}
-    checked = [spec for spec in specs if spec.op in references]
-    mismatched = {f"{spec.op}/{spec.name}": kernel_parameters(spec.fn) for spec in checked
-                  if kernel_parameters(spec.fn) != references[spec.op]}
-    assert not mismatched, f"kernels whose parameters differ from the reference's: {mismatched}"
+def test_every_installed_kernel_takes_its_op_reference_parameters():
+    """Every installed kernel, available here or not (the CUDA ones on a CPU machine too), is
+    checked against its op's reference when kernels are chosen."""
+    assert default_registry().kernels(CPU, torch.float32).names()
+
+
+class WrongFusedMoe:
+    """An out-of-tree kernel plugin whose ``fused_moe`` drops the shared expert's weights and
+    names a parameter its own way."""
+
+    @hookimpl
+    def qllm_kernels(self):
+        def fused_moe(x, w13, w2, weights, topk_ids):
+            return x
+
+        return [KernelSpec(op="fused_moe", name="mine", fn=fused_moe, priority=30,
+                           is_available=lambda device, dtype: device.type == "cuda")]
+
+
+def test_kernel_with_a_wrong_signature_fails_at_start_up():
+    """Unavailable on this device, and still refused: the error names the kernel, its op, its
+    plugin and how its parameters differ from the reference's."""
+    with pytest.raises(KernelContractError, match=(
+            r"kernel 'mine' of op 'fused_moe' from plugin WrongFusedMoe does not take the "
+            r"op's parameters: it takes \(x, w13, w2, weights, topk_ids\), the reference "
+            r"qllm\.ops\.moe\.fused_moe takes \(x, w13, w2, topk_weights, topk_ids, "
+            r"shared_w13, shared_w2\): missing \['topk_weights', 'shared_w13', 'shared_w2'\]; "
+            r"unexpected \['weights'\]")):
+        registry(WrongFusedMoe()).kernels(CPU, torch.float32)
+
+
+def test_kernel_of_an_op_without_a_reference_is_refused():
+    class Orphan:
+        @hookimpl
+        def qllm_kernels(self):
+            return [KernelSpec(op="warp_drive", name="fast", fn=kv_store)]
+
+    with pytest.raises(KernelContractError, match=r"op 'warp_drive' \(kernels \['fast'\] "
+                                                  r"from \['Orphan'\]\) has no reference"):
+        registry(Orphan()).kernels(CPU, torch.float32)
 
 
 def test_highest_priority_available_kernel_wins():

@@ -1,14 +1,12 @@
 """Shared scaffolding of the GPU-kernel test files: skip markers, the Triton-interpreter run
 that checks the kernels on CPU tensors in a subprocess (``TRITON_INTERPRET`` must be set before
 triton is imported), then compiles each of its kernel launches for the GPU
-(``triton_launches``), traced-graph inspection, and a kernel's parameter names (checked
-against its op's reference)."""
+(``triton_launches``), and traced-graph inspection."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import inspect
 import os
 import subprocess
 import sys
@@ -79,12 +77,3 @@ def called_ops(graph: torch.fx.GraphModule) -> list:
     """The targets of a traced graph's function calls, in order."""
     return [node.target for node in graph.graph.nodes if node.op == "call_function"]
 
-
-def kernel_parameters(fn) -> list[str]:
-    """The parameter names of a kernel: a Python function's, or a ``torch.library`` custom
-    op's (from its schema)."""
-    if isinstance(fn, torch.library.CustomOpDef):
-        namespace, name = fn._qualname.split("::")
-        schema = getattr(getattr(torch.ops, namespace), name).default._schema
-        return [argument.name for argument in schema.arguments]
-    return list(inspect.signature(fn).parameters)

@@ -24,6 +24,7 @@ pytest.importorskip("qllm_kernels_int8")
 
 from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
                                   interpreted, interpreter_driver, run_interpreted_tests)
+from qllm.ops import moe  # noqa: E402
 from qllm.plugins import PluginRegistry  # noqa: E402
 from qllm_kernels_int8 import ops, plugin, quant  # noqa: E402
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig  # noqa: E402
@@ -97,24 +98,23 @@ def _fp8_moe_args(inputs, block=BLOCK) -> tuple:
     return (x, *parts[0], *parts[1], topk_weights, topk_ids, *parts[2], *parts[3], *block)
 
 
-def test_reference_moe_matches_the_model_plugin_on_dequantized_weights():
-    """Both references give the ``fused_moe`` reference's output on the dequantized experts,
-    eagerly and on the all-experts path that ``torch.compile`` takes."""
-    reference = pytest.importorskip("qllm_qwen3_5.moe")
+def test_reference_moe_matches_the_core_on_dequantized_weights():
+    """Both references give the core's ``fused_moe`` reference's output on the dequantized
+    experts, eagerly and on the all-experts path that ``torch.compile`` takes."""
     inputs = moe_inputs(9, 8, 64, 32, 2, torch.float32)
     args = _int8_moe_args(inputs)
     deq = [quant.dequantize_int8_rows(q, s) for q, s in (args[1:3], args[3:5], args[7:9],
                                                          args[9:11])]
-    expected = reference.fused_moe(inputs.x, deq[0], deq[1], inputs.topk_weights,
-                                   inputs.topk_ids, deq[2], deq[3])
+    expected = moe.fused_moe(inputs.x, deq[0], deq[1], inputs.topk_weights,
+                             inputs.topk_ids, deq[2], deq[3])
     torch.testing.assert_close(quant.fused_moe_w8a16(*args), expected, atol=1e-5, rtol=1e-5)
     compiled = torch.compile(quant.fused_moe_w8a16, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(*args), expected, atol=1e-5, rtol=1e-5)
     args = _fp8_moe_args(inputs)
     deq = [quant.dequantize_fp8_blocks(q, s, BLOCK) for q, s in (args[1:3], args[3:5],
                                                                  args[7:9], args[9:11])]
-    expected = reference.fused_moe(inputs.x, deq[0], deq[1], inputs.topk_weights,
-                                   inputs.topk_ids, deq[2], deq[3])
+    expected = moe.fused_moe(inputs.x, deq[0], deq[1], inputs.topk_weights,
+                             inputs.topk_ids, deq[2], deq[3])
     torch.testing.assert_close(quant.fused_moe_fp8_block(*args), expected, atol=1e-5,
                                rtol=1e-5)
 

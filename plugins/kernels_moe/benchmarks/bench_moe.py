@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import triton
 
+from qllm.ops.moe import fused_moe as torch_fused_moe
 from qllm.testing.benchmarking import print_table, time_ms
 from qllm_kernels_moe import ops
 from qllm_kernels_moe.align import moe_align
@@ -48,7 +49,6 @@ from qllm_kernels_moe.testing import MoeInputs, moe_inputs
 from qllm_kernels_moe.triton_align import moe_align_triton
 from qllm_kernels_moe.triton_moe import down, fused_moe_triton, gate_up
 from qllm_kernels_moe.triton_slot_moe import slot_down, slot_gate_up
-from qllm_qwen3_5.moe import fused_moe as torch_fused_moe
 
 EXPERTS, TOP_K, HIDDEN, INTER, DTYPE = 256, 8, 2048, 512, torch.bfloat16
 PEAK_GBPS = 4300.0

@@ -21,7 +21,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     ``w2 [E, H, I]``, the shared expert (id ``E``) ``shared_w13 [2I, H]`` and ``shared_w2
     [H, I]``, ``topk_weights`` / ``topk_ids`` ``[T, k]`` -> each slot's expert output times
     its routing weight, ``[T, k, H]`` in ``x.dtype``; the contract of qllm's ``fused_moe`` op
-    (plain-torch reference in ``qllm_qwen3_5.moe``)."""
+    (plain-torch reference in ``qllm.ops.moe``)."""
     from qllm_kernels_moe.triton_moe import fused_moe_triton
 
     return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2)
@@ -38,7 +38,7 @@ def moe_router(logits: torch.Tensor, top_k: int,
     """Router logits then the shared expert's gate logit, ``[T, E + 1]`` -> ``(weights
     [T, k + 1] in logits.dtype, ids [T, k + 1] int64)``: softmax over the ``E`` in fp32, top-k,
     optional renormalisation, then the shared expert (id ``E``) weighted ``sigmoid(gate)``; the
-    contract of qllm's ``moe_router`` op (plain-torch reference in ``qllm_qwen3_5.moe``)."""
+    contract of qllm's ``moe_router`` op (plain-torch reference in ``qllm.ops.moe``)."""
     from qllm_kernels_moe.triton_router import moe_router_triton
 
     return moe_router_triton(logits, top_k, renormalize)

@@ -2,7 +2,7 @@
 logits, top-k (largest first; the lower expert id wins a tie), optional renormalisation, then
 the shared expert's slot (id ``E``, weight ``sigmoid`` of the gate logit that follows the
 router's). Replaces a softmax, a top-k selection and sort, a division, a sigmoid and two
-concatenations. Contract and reference: ``qllm_qwen3_5.moe.moe_router``."""
+concatenations. Contract and reference: ``qllm.ops.moe.moe_router``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The qllm-kernels-moe plugin against the plain-torch ``fused_moe`` (``qllm_qwen3_5.moe``).
+"""The qllm-kernels-moe plugin against the plain-torch ``fused_moe`` (``qllm.ops.moe``).
 
 - CUDA (skipped without a GPU): bf16 parity for T in {1, 7, 64, 256, 2048} at the
   Qwen3.5-35B-A3B shape and two smaller ones, skewed routing, every entry of the shipped
@@ -18,11 +18,11 @@ import pytest
 import torch
 
 pytest.importorskip("qllm_kernels_moe")
-reference = pytest.importorskip("qllm_qwen3_5.moe")
 
 # after the skips above, so the suite runs where the plugin is not installed
 from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
                                   interpreted, interpreter_driver, run_interpreted_tests)
+from qllm.ops import moe as reference  # noqa: E402
 from qllm.plugins import PluginRegistry  # noqa: E402
 from qllm_kernels_moe import ops, plugin  # noqa: E402
 from qllm_kernels_moe.align import max_padded_slots, moe_align  # noqa: E402
@@ -337,9 +337,7 @@ def test_router_compiles_fullgraph_on_fake_path():
 
 
 def test_plugin_registration():
-    from qllm_qwen3_5 import plugin as qwen3_5_plugin
-
-    registry = PluginRegistry(extra_plugins=[plugin, qwen3_5_plugin], load_entry_points=False)
+    registry = PluginRegistry(extra_plugins=[plugin], load_entry_points=False)
     kernels = registry.kernels(torch.device("cuda"), torch.bfloat16)
     for op in ("fused_moe", "moe_router"):
         assert kernels.names()[op] == ("triton" if HAS_TRITON else "torch")

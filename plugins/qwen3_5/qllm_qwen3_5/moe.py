@@ -8,7 +8,7 @@ op computes all ``k + 1`` slots, so GPU plugins replace the whole block's expert
 grouped computation (no separate shared-expert matmuls, activation and combine). Otherwise the
 op computes the ``k`` routed slots and the shared expert runs as its own SwiGLU MLP, its gated
 output appended as slot ``k + 1``. The router's and the shared gate's rows of the input share
-one matmul; the plain-torch references of both ops are registered by this plugin.
+one matmul; the plain-torch references of both ops are the core's (``qllm.ops.moe``).
 """
 
 from __future__ import annotations
@@ -18,44 +18,9 @@ from torch import nn
 
 from qllm.distributed.parallel_state import TensorParallel, all_reduce, get_tp
 from qllm.distributed.shards import narrow_part, narrow_sections
-from qllm.layers.activation import silu_and_mul
 from qllm.layers.linear import PackedLinear, default_weight_loader
 from qllm.layers.mlp import SwiGLUMLP
-from qllm.ops.moe import grouped_moe
 from qllm.plugins import Kernels
-
-
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, shared_w13: torch.Tensor,
-              shared_w2: torch.Tensor) -> torch.Tensor:
-    """Routed SwiGLU experts: ``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows, then up rows),
-    ``w2 [E, H, I]``, the shared expert's ``shared_w13 [2I, H]`` and ``shared_w2 [H, I]``
-    (expert id ``E``), ``topk_weights`` / ``topk_ids`` ``[T, k]`` -> the per-slot outputs
-    ``[T, k, H]`` in ``x.dtype``: ``[t, j]`` is expert ``topk_ids[t, j]``'s output for token
-    ``t`` times ``topk_weights[t, j]``. The slots are left unsummed: the residual add after
-    the block (the ``add_rms_norm`` op) sums them in fp32 in the order of ``j``, with the
-    residual, in one pass.
-
-    Eagerly, slots are grouped per expert (host sync; only the experts hit are computed).
-    Under ``torch.compile`` (the CUDA-graph decode step) every expert runs on every token and
-    each slot picks its expert's row: static shapes and no host sync, but E/k times the
-    work. GPU plugins are expected to replace this op.
-    """
-    if torch.compiler.is_compiling():
-        w13, w2 = torch.cat([w13, shared_w13[None]]), torch.cat([w2, shared_w2[None]])
-        return _dense_moe(x, w13, w2, topk_weights.to(x.dtype), topk_ids)
-    num_experts = w13.shape[0]
-    return grouped_moe(x, topk_weights, topk_ids, num_experts, lambda e: (
-        (w13[e], w2[e]) if e < num_experts else (shared_w13, shared_w2)))
-
-
-def _dense_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-               topk_ids: torch.Tensor) -> torch.Tensor:
-    """Every expert on every token; each slot takes its expert's output, times its weight."""
-    hidden = silu_and_mul(torch.einsum("th,eoh->teo", x, w13))  # [T, E, I]
-    out = torch.einsum("tei,ehi->teh", hidden, w2)  # [T, E, H]
-    picked = out.gather(1, topk_ids[..., None].expand(-1, -1, out.shape[-1]))  # [T, k, H]
-    return picked * weights[..., None]
 
 
 class StackedExpertWeight(nn.Module):
@@ -127,23 +92,6 @@ class Experts(nn.Module):
         its shared-expert weights: expert 0's fill them, of the shapes the op checks."""
         w13, w2 = self.gate_up_proj.weight, self.down_proj.weight
         return self._fused_moe(x, w13, w2, topk_weights, topk_ids, w13[0], w2[0])
-
-
-def moe_router(logits: torch.Tensor, top_k: int,
-               renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``moe_router`` op: ``logits [T, E + 1]``, the router's ``E`` logits then the shared
-    expert's gate logit -> ``(weights [T, k + 1] in logits.dtype, expert ids [T, k + 1]
-    int64)``: softmax over the ``E`` in fp32, the ``top_k`` largest (descending), optionally
-    renormalised; then the shared expert, id ``E``, weighted ``sigmoid(gate logit)``.
-    Plain-torch reference; GPU plugins may replace it."""
-    probs = logits[:, :-1].softmax(dim=-1, dtype=torch.float32)  # [T, E]
-    weights, ids = probs.topk(top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    shared_weight = logits[:, -1:].float().sigmoid()  # [T, 1]
-    shared_id = torch.full_like(ids[:, :1], probs.shape[1])
-    return (torch.cat([weights, shared_weight], dim=1).to(logits.dtype),
-            torch.cat([ids, shared_id], dim=1))
 
 
 class Router(nn.Module):

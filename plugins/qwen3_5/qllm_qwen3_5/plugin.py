@@ -1,8 +1,9 @@
-"""Registers the hybrid Qwen3.5 / Qwen3.5-MoE / Qwen3-Next architectures with qllm, and the
-plain-torch ``moe_router`` and ``fused_moe`` reference kernels their MoE layers call."""
+"""Registers the hybrid Qwen3.5 / Qwen3.5-MoE / Qwen3-Next architectures with qllm. The ops
+their layers call, the MoE layers' ``moe_router`` and ``fused_moe`` included, are the core's
+(``qllm.ops.contracts``)."""
 
 from qllm.hookspecs import hookimpl
-from qllm.specs import KernelSpec, ModelSpec
+from qllm.specs import ModelSpec
 
 ARCHITECTURES = (
     "Qwen3_5ForCausalLM",
@@ -27,10 +28,3 @@ def qllm_models():
     return [ModelSpec(architecture=arch, build=_builder(arch), plugin="qllm-qwen3-5")
             for arch in ARCHITECTURES]
 
-
-@hookimpl
-def qllm_kernels():
-    from qllm_qwen3_5.moe import fused_moe, moe_router
-
-    return [KernelSpec(op="fused_moe", name="torch", fn=fused_moe),
-            KernelSpec(op="moe_router", name="torch", fn=moe_router)]
