@@ -55,8 +55,9 @@ def qllm_kernels():
     """Return a list of ``KernelSpec``: implementations of named ops.
 
     For each op the highest-priority implementation whose ``is_available(device, dtype)`` is
-    true is chosen once, when the model is built. The core registers plain-torch reference
-    kernels at priority 0; GPU plugins register faster ones at higher priority.
+    true is chosen once, when the model is built. The core registers the plain-torch
+    reference of each of its ops (``qllm.ops.contracts``) at priority 0; GPU plugins register
+    faster ones at higher priority, taking the reference's parameters (checked then).
     """
 
 
