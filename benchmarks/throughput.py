@@ -48,7 +48,8 @@ def run_qllm(model_dir: str, prompts, params, args) -> dict:
               recurrent_state_dtype=args.recurrent_state_dtype,
               max_autotune_gemm=args.max_autotune_gemm, kernels=dict(args.kernel),
               quantization=args.quantization,
-              prefix_state_cache_slots=args.prefix_state_cache_slots)
+              prefix_state_cache_slots=args.prefix_state_cache_slots,
+              tensor_parallel_size=args.tensor_parallel_size)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     startup = time.perf_counter() - start
     sampling = [SamplingParams(temperature=t, max_tokens=m, ignore_eos=True,
@@ -196,6 +197,8 @@ def main() -> int:
                         help="GDN state dtype of hybrid models (float32 or bfloat16)")
     parser.add_argument("--prefix-state-cache-slots", type=int, default=0,
                         help="recurrent-state checkpoints of the hybrid prefix cache (0: off)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="GPUs the model is split over (W2 at TP=2 against TP=1)")
     parser.add_argument("--logprobs", type=int, help="every request asks for the top-K "
                         "log-probs of each generated token (qllm only)")
     parser.add_argument("--peer-prompts", type=int, help="run only the first N prompts")
@@ -229,7 +232,8 @@ def main() -> int:
                       recurrent_state_dtype=args.recurrent_state_dtype,
                       max_autotune_gemm=args.max_autotune_gemm, kernel_pins=dict(args.kernel),
                       quantization=args.quantization, logprobs=args.logprobs,
-                      prefix_state_cache_slots=args.prefix_state_cache_slots)
+                      prefix_state_cache_slots=args.prefix_state_cache_slots,
+                      tensor_parallel_size=args.tensor_parallel_size)
     result.update(engine=args.engine, workload=args.workload, prompts=len(prompts),
                   tok_per_s=round(result["tokens"] / result["seconds"], 1),
                   peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),

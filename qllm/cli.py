@@ -61,6 +61,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compile-cache-dir",
                        help="the persistent torch.compile / Triton cache, or off (default: "
                             "$QLLM_CACHE_DIR, else ~/.cache/qllm)")
+    group.add_argument("--tensor-parallel-size", type=int,
+                       default=default["tensor_parallel_size"],
+                       help="GPUs to split the model over (one process each; under torchrun, "
+                            "the world size)")
     group.add_argument("--quantization", help="weight format from a plugin, e.g. int8 or fp8 "
                                               "(qllm-kernels-int8); a quantized checkpoint's "
                                               "own format is used without it")
@@ -70,7 +74,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     """The engine options given on the command line, as ``LLM`` keyword arguments."""
     names = ["dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
              "gpu_memory_utilization", "kv_cache_memory_bytes", "block_size", "enforce_eager",
-             "load_format", "quantization", "compile_cache_dir"]
+             "load_format", "quantization", "compile_cache_dir", "tensor_parallel_size"]
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 

@@ -99,8 +99,16 @@ def _run_world(paths: dict, size: int, tmp_path) -> dict:
     store = str(tmp_path / f"store-{size}")
     processes = [context.Process(target=_rank_main, args=(rank, size, store, paths, results),
                                  daemon=True) for rank in range(size)]
-    for process in processes:
-        process.start()
+    threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # the ranks share this host's cores (set at spawn)
+    try:
+        for process in processes:
+            process.start()
+    finally:
+        if threads is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
     try:
         status, value = results.get(timeout=WORLD_TIMEOUT_SECONDS)
         for process in processes:

@@ -56,6 +56,8 @@ def _build(rank: int, config, device_type: str, base: int, groups):
     device = tp_executor.local_device(device_type, base, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        tp_executor.share_cpu_threads(groups.size)
     plugins = default_registry()
     hf_config = load_hf_config(config.model, plugins)
     kernels = plugins.kernels(device, config.dtype, config.kernels)
