@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 
+from qllm.batch import Sequence
 from qllm.cache.block_manager import BlockManager
 from qllm.config import SamplingParams
-from qllm.engine.sequence import Sequence
 
 BATCH = 256
 

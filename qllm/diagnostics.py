@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from qllm.batch import Sequence
 from qllm.config import SamplingParams
-from qllm.engine.sequence import Sequence
 
 
 @torch.inference_mode()

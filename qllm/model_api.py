@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qllm.runner.batch import ForwardBatch
+from qllm.batch import ForwardBatch
 
 
 class CausalLM(nn.Module):

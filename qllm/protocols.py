@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from qllm.batch import ForwardBatch
     from qllm.config import EngineConfig
     from qllm.plugins import Kernels
-    from qllm.runner.batch import ForwardBatch
     from qllm.specs import CacheRequirement
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from qllm.batch import Sequence
 from qllm.cache.block_manager import BlockManager
 from qllm.config import SamplingParams
-from qllm.engine.sequence import Sequence
 
 BS = 4
 

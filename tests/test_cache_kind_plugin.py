@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from qllm import LLM, SamplingParams
+from qllm.batch import Sequence
 from qllm.cache.base import CachePool, CacheTooSmallError, StepFields
-from qllm.engine.sequence import Sequence
 from qllm.hookspecs import hookimpl
 from qllm.plugins import PluginRegistry
 from qllm.specs import CacheKindSpec, CacheRequirement, LayerKindSpec, ModelSpec

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qllm import LLM, SamplingParams
-from qllm.engine.scheduler import ScheduledBatch
+from qllm.batch import ScheduledBatch
 from qllm.testing import assert_cache_free, random_prompts, with_decode_graphs
 
 

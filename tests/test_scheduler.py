@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
+from qllm.batch import Sequence, SequenceStatus
 from qllm.cache.paged_kv import PagedKVPool
 from qllm.config import EngineConfig, SamplingParams
 from qllm.engine.scheduler import Scheduler
-from qllm.engine.sequence import Sequence, SequenceStatus
 from qllm.specs import CacheRequirement
 
 

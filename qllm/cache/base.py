@@ -6,7 +6,7 @@ import abc
 
 import torch
 
-from qllm.engine.sequence import Sequence
+from qllm.batch import Sequence
 from qllm.specs import CacheRequirement
 
 # a step's fields of one cache kind, as ``qllm.runner.staging.stage`` takes them:

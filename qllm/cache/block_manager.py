@@ -6,7 +6,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from qllm.engine.sequence import Sequence
+from qllm.batch import Sequence
 
 
 @dataclass

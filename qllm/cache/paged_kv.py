@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from qllm.batch import Sequence
 from qllm.cache.base import CachePool, StepFields
 from qllm.cache.block_manager import BlockManager
-from qllm.engine.sequence import Sequence
 
 
 def bytes_per_block(layers: list, block_size: int) -> int:

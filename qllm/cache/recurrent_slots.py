@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from qllm.batch import Sequence
 from qllm.cache.base import CachePool, StepFields
 from qllm.cache.state_checkpoints import StateCheckpoints
-from qllm.engine.sequence import Sequence
 
 
 def bytes_per_slot(layers: list) -> int:

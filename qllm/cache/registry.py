@@ -8,9 +8,9 @@ import logging
 
 import torch
 
+from qllm.batch import Sequence
 from qllm.cache.base import CachePool, CacheTooSmallError
 from qllm.config import EngineConfig
-from qllm.engine.sequence import Sequence
 from qllm.plugins import PluginRegistry
 
 logger = logging.getLogger(__name__)

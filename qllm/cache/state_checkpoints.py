@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from qllm.batch import Sequence
 from qllm.cache.block_manager import chain_hash
-from qllm.engine.sequence import Sequence
 
 
 class StateCheckpoints:

@@ -8,9 +8,9 @@ import time
 
 from tqdm.auto import tqdm
 
+from qllm.batch import Sequence
 from qllm.config import EngineConfig, SamplingParams
 from qllm.engine.llm_engine import LLMEngine
-from qllm.engine.sequence import Sequence
 from qllm.multimodal import flatten_content
 from qllm.plugins import PluginRegistry
 

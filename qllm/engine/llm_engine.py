@@ -11,11 +11,11 @@ from typing import NamedTuple
 
 import torch
 
+from qllm.batch import ScheduledBatch, Sequence
 from qllm.cache.registry import CacheRegistry
 from qllm.config import EngineConfig, SamplingParams, resolve_device
 from qllm.engine.detokenizer import IncrementalDetokenizer
-from qllm.engine.scheduler import ScheduledBatch, Scheduler
-from qllm.engine.sequence import Sequence
+from qllm.engine.scheduler import Scheduler
 from qllm.engine.startup import StartupReport
 from qllm.model_builder import build_model, load_hf_config
 from qllm.multimodal import MODALITIES, MediaError, MultimodalInputs, load_audio, load_image

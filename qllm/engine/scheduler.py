@@ -3,26 +3,11 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
+from qllm.batch import ScheduledBatch, Sequence, SequenceStatus
 from qllm.cache.registry import CacheRegistry
 from qllm.config import EngineConfig
-from qllm.engine.sequence import Sequence, SequenceStatus
 from qllm.engine.stop import check_stop, reaches_length_limit
-
-
-@dataclass
-class ScheduledBatch:
-    """One step's work: ``seqs[i]`` computes ``num_tokens[i]`` tokens from its
-    ``num_computed_tokens``. A prefill step may mix new and chunked prompts; a decode step
-    computes exactly one token per sequence."""
-
-    seqs: list[Sequence]
-    num_tokens: list[int]
-    is_prefill: bool
-
-    def __len__(self) -> int:
-        return len(self.seqs)
 
 
 class Scheduler:

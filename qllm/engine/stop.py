@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qllm.engine.sequence import Sequence
+from qllm.batch import Sequence
 
 
 def check_stop(seq: Sequence, eos_token_ids: set[int], max_model_len: int) -> str | None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qllm.batch import ForwardBatch
 from qllm.distributed.parallel_state import TensorParallel
 from qllm.plugins import Kernels
-from qllm.runner.batch import ForwardBatch
 from qllm.specs import CacheRequirement
 
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from qllm.runner.batch import ForwardBatch
+from qllm.batch import ForwardBatch
 
 
 class DecoderStack(nn.Module):

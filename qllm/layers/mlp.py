@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qllm.layers.activation import silu_and_mul
 from qllm.distributed.parallel_state import get_tp
 from qllm.layers.linear import PackedLinear, RowParallelLinear, column_parts
+from qllm.ops.activation import silu_and_mul
 from qllm.plugins import Kernels
 
 

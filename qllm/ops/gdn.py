@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qllm.runner.batch import ForwardBatch
+from qllm.batch import ForwardBatch
 
 CHUNK_SIZE = 64
 L2NORM_EPS = 1e-6

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from qllm.layers.activation import silu_and_mul
+from qllm.ops.activation import silu_and_mul
 
 # expert id -> (w13 [2I, H], w2 [H, I]) in the activation dtype; id E is the shared expert
 ExpertWeights = Callable[[int], tuple[torch.Tensor, torch.Tensor]]

@@ -14,7 +14,7 @@ import functools
 import torch
 from tqdm.auto import tqdm
 
-from qllm.runner.batch import ForwardBatch
+from qllm.batch import ForwardBatch
 
 
 class CudaGraphCapture:

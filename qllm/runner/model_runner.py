@@ -8,16 +8,14 @@ import time
 
 import torch
 
+from qllm.batch import ForwardBatch, ScheduledBatch, Sequence
 from qllm.cache.registry import CacheRegistry
 from qllm.config import EngineConfig
-from qllm.engine.scheduler import ScheduledBatch
-from qllm.engine.sequence import Sequence
 from qllm.layers.logprobs import prompt_token_logprobs, token_logprobs, tokens_only, unpack
 from qllm.layers.penalties import LogitsAdjustments, apply_penalties
 from qllm.layers.sampler import SamplingTensors, sample
 from qllm.model_api import CausalLM
 from qllm.multimodal import encoder_rows, rotary_positions
-from qllm.runner.batch import ForwardBatch
 from qllm.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from qllm.runner.staging import stage
 

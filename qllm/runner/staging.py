@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import torch
 
+from qllm.batch import Layout
+
 # bytes: every field starts 16-byte aligned (the buffer itself comes from the caching
 # allocator, 512-byte aligned), as Inductor's kernels assume of their inputs; a view at an
 # offset of 8 would be copied to an aligned tensor before each compiled call
 ALIGNMENT = 16
 
 
-Layout = dict[str, tuple[int, int, torch.dtype, torch.Size]]  # offset, bytes, dtype, shape
 
 
 def _views(buffer: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:

@@ -18,9 +18,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from qllm.batch import Sequence
 from qllm.config import SamplingParams
 from qllm.engine.llm_engine import LLMEngine
-from qllm.engine.sequence import Sequence
 from qllm.multimodal import MultimodalInputs
 from qllm.server.metrics import ServerMetrics
 

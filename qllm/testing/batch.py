@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from qllm.runner.batch import ForwardBatch
+from qllm.batch import ForwardBatch
 
 
 def forward_batch(query_lens: list[int], context_lens: list[int] | None = None,

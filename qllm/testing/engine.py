@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 
 from qllm import SamplingParams
-from qllm.engine.scheduler import ScheduledBatch
-from qllm.engine.sequence import Sequence
+from qllm.batch import ScheduledBatch, Sequence
 from qllm.runner.cuda_graphs import DecodeGraphs
 
 

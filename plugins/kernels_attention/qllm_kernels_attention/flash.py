@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qllm.runner.batch import ForwardBatch
+from qllm.batch import ForwardBatch
 from qllm_kernels_attention import ops
 
 try:

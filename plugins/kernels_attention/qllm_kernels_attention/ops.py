@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from qllm.runner.batch import ForwardBatch
+from qllm.batch import ForwardBatch
 
 
 @torch.library.custom_op("qllm_attn::paged_decode", mutates_args=())

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qllm.batch import ForwardBatch
 from qllm.cache.paged_kv import PagedKVBatch
-from qllm.runner.batch import ForwardBatch
 from qllm.testing.batch import forward_batch
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from qllm.runner.batch import ForwardBatch
+from qllm.batch import ForwardBatch
 
 
 # ----------------------------------------------------------------------------- causal conv1d

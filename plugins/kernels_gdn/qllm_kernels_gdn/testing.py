@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qllm.runner.batch import ForwardBatch
+from qllm.batch import ForwardBatch
 from qllm.testing.batch import recurrent_slot_batch
 
 

@@ -34,7 +34,7 @@ from qllm.testing.kernels import (HAS_TRITON, INTERPRETING, called_ops, cuda,  #
                                   graphs_traced_by, interpreted, interpreter_driver,
                                   run_interpreted_tests)
 from qllm.plugins import PluginRegistry  # noqa: E402
-from qllm.runner.batch import ForwardBatch  # noqa: E402
+from qllm.batch import ForwardBatch  # noqa: E402
 from qllm_kernels_gdn import ops, plugin  # noqa: E402
 from qllm_kernels_gdn.testing import (QWEN3_5_35B_A3B, GDNGeometry, conv_inputs,  # noqa: E402
                                       gdn_inputs, norm_inputs, random_batch)

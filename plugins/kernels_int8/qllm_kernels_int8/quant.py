@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qllm.layers.activation import silu_and_mul
+from qllm.ops.activation import silu_and_mul
 from qllm.ops.moe import ExpertWeights, grouped_moe
 
 INT8_MAX = 127.0

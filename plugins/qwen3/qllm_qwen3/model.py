@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qllm.batch import ForwardBatch
 from qllm.config import EngineConfig
 from qllm.distributed.parallel_state import get_tp
 from qllm.layers.attention import PagedAttention, head_shards
@@ -16,7 +17,6 @@ from qllm.layers.norm import RMSNorm
 from qllm.layers.rotary import QKNormRotary, rope_theta
 from qllm.model_api import CausalLM
 from qllm.plugins import Kernels
-from qllm.runner.batch import ForwardBatch
 
 
 class Qwen3Attention(nn.Module):

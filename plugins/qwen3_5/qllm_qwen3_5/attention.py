@@ -11,13 +11,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qllm.batch import ForwardBatch
 from qllm.distributed.parallel_state import get_tp
 from qllm.layers.attention import PagedAttention, head_shards
 from qllm.layers.linear import PackedLinear, RowParallelLinear
 from qllm.layers.norm import RMSNorm
 from qllm.layers.rotary import MultiAxisQKNormRotary, QKNormRotary, rope_theta
 from qllm.plugins import Kernels
-from qllm.runner.batch import ForwardBatch
 
 from qllm_qwen3_5.config import mrope_section_of, rotary_dim_of
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qllm.batch import ForwardBatch
 from qllm.distributed.parallel_state import TensorParallel, get_tp
 from qllm.distributed.shards import materialize, narrow_part, narrow_sections
 from qllm.layers.gated_norm import RMSNormGated
 from qllm.layers.linear import Linear, RowParallelLinear, default_weight_loader
 from qllm.plugins import Kernels
-from qllm.runner.batch import ForwardBatch
 from qllm.specs import CacheRequirement
 
 

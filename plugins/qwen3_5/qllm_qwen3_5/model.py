@@ -11,6 +11,7 @@ import re
 import torch
 from torch import nn
 
+from qllm.batch import ForwardBatch
 from qllm.config import EngineConfig
 from qllm.layers.decoder_stack import DecoderStack
 from qllm.layers.embedding import LMHead
@@ -18,7 +19,6 @@ from qllm.layers.mlp import SwiGLUMLP
 from qllm.layers.norm import RMSNorm
 from qllm.model_api import CausalLM
 from qllm.plugins import Kernels
-from qllm.runner.batch import ForwardBatch
 
 from qllm_qwen3_5.attention import GatedAttention
 from qllm_qwen3_5.config import Variant, is_sparse_layer, validate, variant_of, vision_config_of

@@ -165,8 +165,7 @@ def _run(llm, cases):
 
 def test_prefill_logits_match_transformers(checkpoint, llm, cases):
     """Logits at every position of an image prompt and a text prompt, one prefill step."""
-    from qllm.engine.scheduler import ScheduledBatch
-    from qllm.engine.sequence import Sequence
+    from qllm.batch import ScheduledBatch, Sequence
 
     _, model = checkpoint
     engine = llm.engine

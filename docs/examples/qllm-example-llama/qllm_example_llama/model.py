@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qllm.batch import ForwardBatch
 from qllm.config import EngineConfig
 from qllm.layers.attention import PagedAttention
 from qllm.layers.decoder_stack import DecoderStack
@@ -20,7 +21,6 @@ from qllm.layers.rotary import rope_theta
 from qllm.model_api import CausalLM
 from qllm.ops.rope import rotate_neox
 from qllm.plugins import Kernels
-from qllm.runner.batch import ForwardBatch
 
 
 class Rotary(nn.Module):
