@@ -125,7 +125,7 @@ def test_kernel_choice_is_logged_at_debug_only(qwen3_tokenizer_model_dir, caplog
 
 def test_serve_without_the_extra_points_at_the_source_tree(monkeypatch, capsys):
     """The hint named `qllm[serve]`, which pip resolves to an unrelated PyPI project."""
-    from qllm.server.cli import run_serve
+    from qllm.cli.serve import run_serve
 
     monkeypatch.setitem(sys.modules, "qllm.server.api_server", None)
     assert run_serve(None) == 1

@@ -20,9 +20,9 @@ from server_fixtures import MAX_MODEL_LEN, MODEL_NAME, tiny_model_dir  # noqa: F
 
 
 def start_server(model_dir: str) -> tuple[subprocess.Popen, str]:
-    """Start ``python -m qllm.server.cli`` on a free port; return it and its base URL."""
+    """Start ``python -m qllm.cli.serve`` on a free port; return it and its base URL."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "qllm.server.cli", "--model", model_dir, "--port", "0",
+        [sys.executable, "-m", "qllm.cli.serve", "--model", model_dir, "--port", "0",
          "--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN),
          "--shutdown-timeout", "0.5"],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)

@@ -1,7 +1,7 @@
 """``qllm serve``: the command line of the HTTP server.
 
 ``qllm.cli`` adds it as a subcommand through ``add_serve_command``; ``python -m
-qllm.server.cli`` runs it alone. fastapi and uvicorn are imported only when serving.
+qllm.cli.serve`` runs it alone. fastapi and uvicorn are imported only when serving.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import argparse
 import logging
 import sys
 
+from qllm.cli.options import HelpFormatter, add_engine_options, engine_options, run_command
+
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    from qllm.cli import add_engine_options
-
     parser.add_argument("--model", help="checkpoint directory (default: a built-in small "
                                         "Qwen3 with random weights)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -31,8 +31,6 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_serve_command(subparsers) -> None:
     """Add ``serve`` to the ``qllm`` command's subparsers."""
-    from qllm.cli import HelpFormatter
-
     parser = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible "
                                                  "HTTP API", formatter_class=HelpFormatter)
     _add_arguments(parser)
@@ -47,7 +45,6 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"qllm serve: {exc.name} is missing: install the server's extra from the qllm "
               f"source tree, pip install -e \".[serve]\"", file=sys.stderr)
         return 1
-    from qllm.cli import engine_options
     from qllm.config import EngineConfig
     from qllm.default_model import default_model_dir
     from qllm.engine.llm_engine import LLMEngine
@@ -68,9 +65,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qllm.cli import HelpFormatter, run_command
-
-    parser = argparse.ArgumentParser(prog="python -m qllm.server.cli", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m qllm.cli.serve", description=__doc__,
                                      formatter_class=HelpFormatter)
     _add_arguments(parser)
     parser.set_defaults(func=run_serve)
