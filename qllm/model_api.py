@@ -15,7 +15,7 @@ class CausalLM(nn.Module):
     ``checkpoint_name`` (``None`` skips it) and ``packed_modules`` (HF projection name ->
     ``(fused parameter name, shard)``, e.g. ``"q_proj": ("qkv_proj", "q")``). Modules that hold
     a cache declare ``layer_kind``, ``cache_requirement()`` and ``attach_cache(tensors)``.
-    ``qllm.protocols`` states this contract as typed protocols (``CausalLMModel``,
+    ``qllm.plugins.protocols`` states this contract as typed protocols (``CausalLMModel``,
     ``CacheLayer``, ``DecoderLayer``).
     """
 

@@ -13,7 +13,7 @@ from qllm.distributed.parallel_state import get_tp
 from qllm.loader import (checkpoint_dtypes, checkpoint_files, init_dummy_weights,
                          iterate_checkpoint, load_weights)
 from qllm.model_api import CausalLM
-from qllm.plugins import Kernels, PluginRegistry
+from qllm.plugins.registry import Kernels, PluginRegistry
 from qllm.quantization import resolve_weight_format
 
 logger = logging.getLogger(__name__)

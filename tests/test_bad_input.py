@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from qllm import LLM, SamplingParams
 from qllm.loader import CheckpointError
-from qllm.plugins import UnknownArchitectureError
+from qllm.plugins.registry import UnknownArchitectureError
 from qllm.testing import assert_cache_free, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

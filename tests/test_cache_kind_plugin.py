@@ -15,10 +15,10 @@ from torch import nn
 
 from qllm import LLM, SamplingParams
 from qllm.batch import Sequence
-from qllm.cache.base import CachePool, CacheTooSmallError, StepFields
-from qllm.hookspecs import hookimpl
-from qllm.plugins import PluginRegistry
-from qllm.specs import CacheKindSpec, CacheRequirement, LayerKindSpec, ModelSpec
+from qllm.cache.base import CachePool, CacheRequirement, CacheTooSmallError, StepFields
+from qllm.plugins.hookspecs import hookimpl
+from qllm.plugins.registry import PluginRegistry
+from qllm.plugins.specs import CacheKindSpec, LayerKindSpec, ModelSpec
 from qllm.testing import assert_cache_free, random_prompts, with_decode_graphs
 
 PAGE = 4  # tokens per probe page

@@ -259,7 +259,7 @@ def test_conv_prefill_matches_transformers_conv_fn():
 
 
 def test_registered_as_builtin_kernels():
-    from qllm.plugins import PluginRegistry
+    from qllm.plugins.registry import PluginRegistry
 
     kernels = PluginRegistry(load_entry_points=False).kernels(torch.device("cpu"), torch.float32)
     for op in ("causal_conv1d_prefill", "causal_conv1d_update", "gdn_prefill", "gdn_decode"):

@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from qllm import LLM, SamplingParams
-from qllm.hookspecs import hookimpl
+from qllm.plugins.hookspecs import hookimpl
 from qllm.layers.linear import Linear, PackedLinear
 from qllm.ops import linear as reference
-from qllm.plugins import PluginRegistry
-from qllm.specs import KernelSpec
+from qllm.plugins.registry import PluginRegistry
+from qllm.plugins.specs import KernelSpec
 from qllm.testing import save_tiny_qwen3
 
 

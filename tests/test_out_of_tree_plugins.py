@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from qllm import LLM, SamplingParams
-from qllm.plugins import PluginRegistry
-from qllm.protocols import CacheLayer, CausalLMModel, DecoderLayer
+from qllm.plugins.protocols import CacheLayer, CausalLMModel, DecoderLayer
+from qllm.plugins.registry import PluginRegistry
 from qllm.testing import hf_greedy, perturb_, random_prompts
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qllm.hookspecs import hookimpl
 from qllm.ops.attention import kv_store
 from qllm.ops.contracts import CORE_OPS
-from qllm.plugins import (DuplicateRegistrationError, KernelContractError, PluginRegistry,
+from qllm.plugins.hookspecs import hookimpl
+from qllm.plugins.registry import (DuplicateRegistrationError, KernelContractError, PluginRegistry,
                           default_registry)
-from qllm.specs import KernelSpec
+from qllm.plugins.specs import KernelSpec
 
 CPU = torch.device("cpu")
 

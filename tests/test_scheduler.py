@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 from qllm.batch import Sequence, SequenceStatus
+from qllm.cache.base import CacheRequirement
 from qllm.cache.paged_kv import PagedKVPool
 from qllm.config import EngineConfig, SamplingParams
 from qllm.engine.scheduler import Scheduler
-from qllm.specs import CacheRequirement
 
 
 class FakeAttention(torch.nn.Module):

@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from qllm import LLM
-from qllm.hookspecs import hookimpl
 from qllm.layers.linear import Linear
-from qllm.plugins import PluginRegistry
+from qllm.plugins.hookspecs import hookimpl
+from qllm.plugins.registry import PluginRegistry
 from qllm.quantization import (UnknownWeightFormatError, WeightFormat, row_runs,
                                swap_modules)
-from qllm.specs import KernelSpec, WeightFormatSpec
+from qllm.plugins.specs import KernelSpec, WeightFormatSpec
 from qllm.testing import prefill_logits, require_qwen3_plugin
 
 UNIT = 1024.0
@@ -198,7 +198,7 @@ def test_no_format_without_plugins():
 
 
 def test_duplicate_format_name_raises():
-    from qllm.plugins import DuplicateRegistrationError
+    from qllm.plugins.registry import DuplicateRegistrationError
 
     with pytest.raises(DuplicateRegistrationError, match="weight format 'toy16'"):
         _ = _registry(ToyPlugin(), ToyPlugin()).weight_formats

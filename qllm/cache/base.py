@@ -3,15 +3,37 @@
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 
 import torch
 
 from qllm.batch import Sequence
-from qllm.specs import CacheRequirement
 
 # a step's fields of one cache kind, as ``qllm.runner.staging.stage`` takes them:
 # name -> (values, dtype), values a flat list or a list of equal-length lists
 StepFields = dict[str, tuple[list, torch.dtype]]
+
+
+@dataclass(frozen=True)
+class CacheRequirement:
+    """What one layer needs from its cache kind, per unit of that kind.
+
+    For ``full_attention``: one entry per token, ``{"k": (kv_heads, head_dim), "v": ...}``.
+    For ``linear_attention``: one entry per sequence slot, ``{"conv": ..., "ssm": ...}``.
+    """
+
+    layer_kind: str
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
+
+    def bytes_per_entry(self) -> int:
+        total = 0
+        for key, shape in self.shapes.items():
+            numel = 1
+            for size in shape:
+                numel *= size
+            total += numel * self.dtypes[key].itemsize
+        return total
 
 
 class CacheTooSmallError(RuntimeError):

@@ -11,7 +11,6 @@ import torch
 from qllm.batch import Sequence
 from qllm.cache.base import CachePool, CacheTooSmallError
 from qllm.config import EngineConfig
-from qllm.plugins import PluginRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -25,25 +24,28 @@ __all__ = ["CacheRegistry", "CacheTooSmallError"]
 class CacheRegistry:
     """Every cache pool of one engine; the scheduler talks to this, never to a pool directly."""
 
-    def __init__(self, model: torch.nn.Module, plugins: PluginRegistry, config: EngineConfig,
-                 device: torch.device, agree=None):
-        """``agree(units) -> units``: tensor-parallel ranks settle on one unit count per kind
+    def __init__(self, model: torch.nn.Module, layer_kinds: dict, cache_kinds: dict,
+                 config: EngineConfig, device: torch.device, agree=None):
+        """``layer_kinds`` and ``cache_kinds`` are the registered ones (``PluginRegistry``'s,
+        ``LayerKindSpec`` and ``CacheKindSpec`` by name).
+
+        ``agree(units) -> units``: tensor-parallel ranks settle on one unit count per kind
         (the fewest any rank has room for), so that block tables and slots mean the same
         everywhere; each rank's units hold its own heads."""
         by_kind: dict[str, list] = {}
         for layer in model.cache_layers():
-            kind = plugins.layer_kinds.get(layer.layer_kind)
+            kind = layer_kinds.get(layer.layer_kind)
             if kind is None:
                 raise ValueError(f"layer kind {layer.layer_kind!r} of {type(layer).__name__} is "
-                                 f"not registered; known: {sorted(plugins.layer_kinds)}")
+                                 f"not registered; known: {sorted(layer_kinds)}")
             by_kind.setdefault(kind.cache_kind, []).append(layer)
 
         specs = {}
         for name in by_kind:
-            if name not in plugins.cache_kinds:
+            if name not in cache_kinds:
                 raise ValueError(f"cache kind {name!r} is not registered; "
-                                 f"known: {sorted(plugins.cache_kinds)}")
-            specs[name] = plugins.cache_kinds[name]
+                                 f"known: {sorted(cache_kinds)}")
+            specs[name] = cache_kinds[name]
 
         fixed = {name: spec.fixed_units(config) for name, spec in specs.items()}
         fixed_bytes = sum(specs[n].bytes_per_unit(by_kind[n], config) * units

@@ -362,7 +362,8 @@ def start_engine_shards(engine, config, hf_config, plugins, kernels, device: tor
         executor.tp = executor.groups.state(device)
         with building(executor.tp):
             model = build_model(config, hf_config, plugins, kernels, device)
-        cache = CacheRegistry(model, plugins, config, device, agree=executor.agree_units)
+        cache = CacheRegistry(model, plugins.layer_kinds, plugins.cache_kinds, config, device,
+                              agree=executor.agree_units)
         runner = DriverRunner(model, config, cache, device, hf_config.get_text_config()
                               .vocab_size, executor=executor)
     except BaseException:

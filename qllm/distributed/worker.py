@@ -51,7 +51,7 @@ def _build(rank: int, config, device_type: str, base: int, groups):
     from qllm.cache.registry import CacheRegistry
     from qllm.distributed.runner import WorkerRunner
     from qllm.model_builder import build_model, load_hf_config
-    from qllm.plugins import default_registry
+    from qllm.plugins.registry import default_registry
 
     device = tp_executor.local_device(device_type, base, rank)
     if device.type == "cuda":
@@ -64,7 +64,8 @@ def _build(rank: int, config, device_type: str, base: int, groups):
     tp = groups.state(device)
     with building(tp):
         model = build_model(config, hf_config, plugins, kernels, device)
-    cache = CacheRegistry(model, plugins, config, device, agree=groups.agree_units)
+    cache = CacheRegistry(model, plugins.layer_kinds, plugins.cache_kinds, config, device,
+                          agree=groups.agree_units)
     return WorkerRunner(model, config, cache, device, hf_config.get_text_config().vocab_size,
                         device_group=tp.group)
 

@@ -12,7 +12,7 @@ from qllm.batch import Sequence
 from qllm.config import EngineConfig, SamplingParams
 from qllm.engine.llm_engine import LLMEngine
 from qllm.multimodal import flatten_content
-from qllm.plugins import PluginRegistry
+from qllm.plugins.registry import PluginRegistry
 
 
 class LLM:

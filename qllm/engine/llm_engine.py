@@ -19,7 +19,7 @@ from qllm.engine.scheduler import Scheduler
 from qllm.engine.startup import StartupReport
 from qllm.model_builder import build_model, load_hf_config
 from qllm.multimodal import MODALITIES, MediaError, MultimodalInputs, load_audio, load_image
-from qllm.plugins import PluginRegistry, default_registry
+from qllm.plugins.registry import PluginRegistry, default_registry
 from qllm.runner import compile_cache
 from qllm.runner.model_runner import ModelRunner, SampledStep
 
@@ -78,7 +78,8 @@ class LLMEngine:
             with self.startup.phase("load"):
                 self.model = build_model(config, hf_config, self.plugins, self.kernels,
                                          self.device)
-            self.cache = CacheRegistry(self.model, self.plugins, config, self.device)
+            self.cache = CacheRegistry(self.model, self.plugins.layer_kinds,
+                                       self.plugins.cache_kinds, config, self.device)
             with self.startup.phase("graph_capture"):  # and the compile set-up
                 self.runner = ModelRunner(self.model, config, self.cache, self.device,
                                           self.vocab_size)

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from qllm.batch import ForwardBatch
+from qllm.cache.base import CacheRequirement
 from qllm.distributed.parallel_state import TensorParallel
-from qllm.plugins import Kernels
-from qllm.specs import CacheRequirement
+from qllm.plugins.registry import Kernels
 
 
 def head_shards(num_heads: int, num_kv_heads: int, tp: TensorParallel

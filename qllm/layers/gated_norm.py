@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qllm.plugins import Kernels
+from qllm.plugins.registry import Kernels
 
 
 class RMSNormGated(nn.Module):

@@ -8,7 +8,7 @@ from torch import nn
 
 from qllm.distributed.parallel_state import TensorParallel, all_reduce, get_tp
 from qllm.distributed.shards import materialize, narrow_part
-from qllm.plugins import Kernels
+from qllm.plugins.registry import Kernels
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:

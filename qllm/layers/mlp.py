@@ -8,7 +8,7 @@ from torch import nn
 from qllm.distributed.parallel_state import get_tp
 from qllm.layers.linear import PackedLinear, RowParallelLinear, column_parts
 from qllm.ops.activation import silu_and_mul
-from qllm.plugins import Kernels
+from qllm.plugins.registry import Kernels
 
 
 class SwiGLUMLP(nn.Module):

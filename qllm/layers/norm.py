@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from qllm.ops.norm import add_rms_norm, rms_norm
-from qllm.plugins import Kernels
+from qllm.plugins.registry import Kernels
 
 
 class RMSNorm(nn.Module):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from qllm.layers.norm import RMSNorm
-from qllm.plugins import Kernels
+from qllm.plugins.registry import Kernels
 
 
 def rope_theta(hf_config) -> float:

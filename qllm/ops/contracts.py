@@ -3,10 +3,10 @@
 
 An op is its name, its plain-torch reference (whose docstring is the full contract and whose
 parameters every kernel of the op takes, same names, same order) and a line on what it
-computes. ``qllm.builtins`` registers each reference as the op's ``torch`` kernel (priority 0,
-every device); kernel plugins register faster implementations only. An op a plugin defines
+computes. ``qllm.plugins.builtins`` registers each reference as the op's ``torch`` kernel
+(priority 0, every device); kernel plugins register faster implementations only. An op a plugin defines
 for its own modules (a weight format's 8-bit ops) has the ``torch`` kernel that plugin
-registers as its reference. ``qllm.plugins.PluginRegistry.kernels`` checks every kernel's
+registers as its reference. ``qllm.plugins.registry.PluginRegistry.kernels`` checks every kernel's
 parameters against its op's reference when an engine starts.
 """
 

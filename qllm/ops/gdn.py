@@ -1,6 +1,6 @@
 """Plain-torch reference kernels for Gated DeltaNet (CPU-correct; the GPU kernels' oracle).
 
-Four ops, registered in ``qllm.builtins`` under these names:
+Four ops, registered in ``qllm.plugins.builtins`` under these names:
 
 - ``causal_conv1d_prefill`` / ``causal_conv1d_update``: the depthwise causal conv over the
   ``[q | k | v]`` channels, **with the SiLU applied inside** (as ``causal_conv1d_fn(...,

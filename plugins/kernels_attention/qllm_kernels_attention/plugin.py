@@ -20,8 +20,8 @@ import importlib.util
 
 import torch
 
-from qllm.hookspecs import hookimpl
-from qllm.specs import FLOAT_DTYPES, HALF_DTYPES, KernelSpec, triton_on_cuda
+from qllm.plugins.hookspecs import hookimpl
+from qllm.plugins.specs import FLOAT_DTYPES, HALF_DTYPES, KernelSpec, triton_on_cuda
 from qllm_kernels_attention import ops
 
 HAS_FLASH_ATTN = any(importlib.util.find_spec(name) for name in ("vllm_flash_attn", "flash_attn"))

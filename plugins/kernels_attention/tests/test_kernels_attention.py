@@ -24,7 +24,7 @@ pytest.importorskip("qllm_kernels_attention")
 from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
                                   interpreted, interpreter_driver, run_interpreted_tests)
 from qllm.ops import attention, rope  # noqa: E402
-from qllm.plugins import PluginRegistry  # noqa: E402
+from qllm.plugins.registry import PluginRegistry  # noqa: E402
 from qllm_kernels_attention import ops, plugin  # noqa: E402
 from qllm_kernels_attention.testing import PagedInputs, paged_inputs, qk_inputs  # noqa: E402
 

@@ -16,8 +16,8 @@ import importlib.util
 
 import torch
 
-from qllm.hookspecs import hookimpl
-from qllm.specs import FLOAT_DTYPES, KernelSpec, triton_on_cuda
+from qllm.plugins.hookspecs import hookimpl
+from qllm.plugins.specs import FLOAT_DTYPES, KernelSpec, triton_on_cuda
 from qllm_kernels_gdn import ops
 
 HAS_FLA = importlib.util.find_spec("fla") is not None

@@ -33,7 +33,7 @@ from qllm.ops import norm as norm_reference  # noqa: E402
 from qllm.testing.kernels import (HAS_TRITON, INTERPRETING, called_ops, cuda,  # noqa: E402
                                   graphs_traced_by, interpreted, interpreter_driver,
                                   run_interpreted_tests)
-from qllm.plugins import PluginRegistry  # noqa: E402
+from qllm.plugins.registry import PluginRegistry  # noqa: E402
 from qllm.batch import ForwardBatch  # noqa: E402
 from qllm_kernels_gdn import ops, plugin  # noqa: E402
 from qllm_kernels_gdn.testing import (QWEN3_5_35B_A3B, GDNGeometry, conv_inputs,  # noqa: E402

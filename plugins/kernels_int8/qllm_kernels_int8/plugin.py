@@ -8,8 +8,8 @@ fp16 / bf16 when Triton is importable.
 
 from __future__ import annotations
 
-from qllm.hookspecs import hookimpl
-from qllm.specs import KernelSpec, WeightFormatSpec, triton_on_cuda
+from qllm.plugins.hookspecs import hookimpl
+from qllm.plugins.specs import KernelSpec, WeightFormatSpec, triton_on_cuda
 
 from qllm_kernels_int8 import ops, quant
 from qllm_kernels_int8.formats import Fp8Format, Int8Format

@@ -25,7 +25,7 @@ pytest.importorskip("qllm_kernels_int8")
 from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
                                   interpreted, interpreter_driver, run_interpreted_tests)
 from qllm.ops import moe  # noqa: E402
-from qllm.plugins import PluginRegistry  # noqa: E402
+from qllm.plugins.registry import PluginRegistry  # noqa: E402
 from qllm_kernels_int8 import ops, plugin, quant  # noqa: E402
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig  # noqa: E402
 from qllm_kernels_moe.testing import moe_inputs  # noqa: E402

@@ -8,8 +8,8 @@ fp16/bf16 when Triton is importable; the op itself hands calls of more than a fe
 
 from __future__ import annotations
 
-from qllm.hookspecs import hookimpl
-from qllm.specs import FLOAT_DTYPES, KernelSpec, triton_on_cuda
+from qllm.plugins.hookspecs import hookimpl
+from qllm.plugins.specs import FLOAT_DTYPES, KernelSpec, triton_on_cuda
 from qllm_kernels_linear import ops
 
 

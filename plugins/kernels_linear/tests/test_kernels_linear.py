@@ -28,7 +28,7 @@ pytest.importorskip("qllm_kernels_linear")
 from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
                                   interpreted, interpreter_driver, run_interpreted_tests)
 from qllm.ops import norm  # noqa: E402
-from qllm.plugins import PluginRegistry  # noqa: E402
+from qllm.plugins.registry import PluginRegistry  # noqa: E402
 from qllm_kernels_linear import ops, plugin  # noqa: E402
 from qllm_kernels_linear.configs import (ACC_REGISTERS, MAX_GEMV_ROWS,  # noqa: E402
                                          MIN_PROGRAMS, WARP_COLUMNS, GemvConfig, block_m,

@@ -7,8 +7,8 @@ fp16/bf16 when Triton is importable.
 
 from __future__ import annotations
 
-from qllm.hookspecs import hookimpl
-from qllm.specs import KernelSpec, triton_on_cuda
+from qllm.plugins.hookspecs import hookimpl
+from qllm.plugins.specs import KernelSpec, triton_on_cuda
 from qllm_kernels_moe import ops
 
 

@@ -23,7 +23,7 @@ pytest.importorskip("qllm_kernels_moe")
 from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
                                   interpreted, interpreter_driver, run_interpreted_tests)
 from qllm.ops import moe as reference  # noqa: E402
-from qllm.plugins import PluginRegistry  # noqa: E402
+from qllm.plugins.registry import PluginRegistry  # noqa: E402
 from qllm_kernels_moe import ops, plugin  # noqa: E402
 from qllm_kernels_moe.align import max_padded_slots, moe_align  # noqa: E402
 from qllm_kernels_moe.configs import (GemmConfig, MoeConfig, default_config,  # noqa: E402

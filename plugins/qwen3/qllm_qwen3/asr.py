@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qllm.config import EngineConfig
-from qllm.plugins import Kernels
+from qllm.plugins.registry import Kernels
 
 from qllm_qwen3.model import Qwen3ForCausalLM
 

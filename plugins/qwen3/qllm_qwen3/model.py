@@ -16,7 +16,7 @@ from qllm.layers.mlp import SwiGLUMLP
 from qllm.layers.norm import RMSNorm
 from qllm.layers.rotary import QKNormRotary, rope_theta
 from qllm.model_api import CausalLM
-from qllm.plugins import Kernels
+from qllm.plugins.registry import Kernels
 
 
 class Qwen3Attention(nn.Module):

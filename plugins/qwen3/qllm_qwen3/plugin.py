@@ -1,8 +1,8 @@
 """Registers ``Qwen3ForCausalLM`` and ``Qwen3ASRForConditionalGeneration`` (Qwen3-ASR: an
 audio encoder before the Qwen3 decoder) with qllm."""
 
-from qllm.hookspecs import hookimpl
-from qllm.specs import ModelSpec
+from qllm.plugins.hookspecs import hookimpl
+from qllm.plugins.specs import ModelSpec
 
 
 def _build(hf_config, kernels, engine_config):

@@ -17,7 +17,7 @@ from qllm.layers.attention import PagedAttention, head_shards
 from qllm.layers.linear import PackedLinear, RowParallelLinear
 from qllm.layers.norm import RMSNorm
 from qllm.layers.rotary import MultiAxisQKNormRotary, QKNormRotary, rope_theta
-from qllm.plugins import Kernels
+from qllm.plugins.registry import Kernels
 
 from qllm_qwen3_5.config import mrope_section_of, rotary_dim_of
 

@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 from qllm.batch import ForwardBatch
+from qllm.cache.base import CacheRequirement
 from qllm.distributed.parallel_state import TensorParallel, get_tp
 from qllm.distributed.shards import materialize, narrow_part, narrow_sections
 from qllm.layers.gated_norm import RMSNormGated
 from qllm.layers.linear import Linear, RowParallelLinear, default_weight_loader
-from qllm.plugins import Kernels
-from qllm.specs import CacheRequirement
+from qllm.plugins.registry import Kernels
 
 
 class GDNInputProjection(Linear):

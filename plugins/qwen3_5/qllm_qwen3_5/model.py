@@ -18,7 +18,7 @@ from qllm.layers.embedding import LMHead
 from qllm.layers.mlp import SwiGLUMLP
 from qllm.layers.norm import RMSNorm
 from qllm.model_api import CausalLM
-from qllm.plugins import Kernels
+from qllm.plugins.registry import Kernels
 
 from qllm_qwen3_5.attention import GatedAttention
 from qllm_qwen3_5.config import Variant, is_sparse_layer, validate, variant_of, vision_config_of

@@ -20,7 +20,7 @@ from qllm.distributed.parallel_state import TensorParallel, all_reduce, get_tp
 from qllm.distributed.shards import narrow_part, narrow_sections
 from qllm.layers.linear import PackedLinear, default_weight_loader
 from qllm.layers.mlp import SwiGLUMLP
-from qllm.plugins import Kernels
+from qllm.plugins.registry import Kernels
 
 
 class StackedExpertWeight(nn.Module):

@@ -2,8 +2,8 @@
 their layers call, the MoE layers' ``moe_router`` and ``fused_moe`` included, are the core's
 (``qllm.ops.contracts``)."""
 
-from qllm.hookspecs import hookimpl
-from qllm.specs import ModelSpec
+from qllm.plugins.hookspecs import hookimpl
+from qllm.plugins.specs import ModelSpec
 
 ARCHITECTURES = (
     "Qwen3_5ForCausalLM",

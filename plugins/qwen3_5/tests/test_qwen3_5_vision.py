@@ -66,7 +66,7 @@ def test_mrope_matches_transformers():
 
     from qllm.layers.norm import RMSNorm
     from qllm.layers.rotary import MultiAxisQKNormRotary, QKNormRotary
-    from qllm.plugins import default_registry
+    from qllm.plugins.registry import default_registry
 
     config = transformers.Qwen3_5TextConfig(**{**testing.TEXT, **testing.VL_TEXT})
     kernels = default_registry().kernels(torch.device("cpu"), torch.float32, {})

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from qllm.hookspecs import hookimpl
-from qllm.specs import KernelSpec
+from qllm.plugins.hookspecs import hookimpl
+from qllm.plugins.specs import KernelSpec
 
 
 def linear_addmm(x: torch.Tensor, weight: torch.Tensor,

@@ -20,7 +20,7 @@ from qllm.layers.norm import RMSNorm
 from qllm.layers.rotary import rope_theta
 from qllm.model_api import CausalLM
 from qllm.ops.rope import rotate_neox
-from qllm.plugins import Kernels
+from qllm.plugins.registry import Kernels
 
 
 class Rotary(nn.Module):

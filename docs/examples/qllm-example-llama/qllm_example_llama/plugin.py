@@ -1,7 +1,7 @@
 """Registers ``LlamaForCausalLM`` with qllm (the ``qllm_models`` hook)."""
 
-from qllm.hookspecs import hookimpl
-from qllm.specs import ModelSpec
+from qllm.plugins.hookspecs import hookimpl
+from qllm.plugins.specs import ModelSpec
 
 
 def build(hf_config, kernels, engine_config):

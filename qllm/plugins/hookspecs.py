@@ -2,9 +2,9 @@
 
 Plugins are discovered through the ``qllm`` entry-point group; each entry point names a module
 (or object) holding ``@hookimpl`` functions. The core's own cache kinds, layer kinds and
-plain-torch kernels register through these same hooks (see ``qllm/builtins.py``).
+plain-torch kernels register through these same hooks (see ``qllm/plugins/builtins.py``).
 
-Collecting hooks return lists of small frozen specs (``qllm.specs``). All of them are called
+Collecting hooks return lists of small frozen specs (``qllm.plugins.specs``). All of them are called
 once, when the engine is built; ``forward`` never consults the plugin manager.
 """
 

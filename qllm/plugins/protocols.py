@@ -15,9 +15,9 @@ from torch import nn
 
 if TYPE_CHECKING:
     from qllm.batch import ForwardBatch
+    from qllm.cache.base import CacheRequirement
     from qllm.config import EngineConfig
-    from qllm.plugins import Kernels
-    from qllm.specs import CacheRequirement
+    from qllm.plugins.registry import Kernels
 
 
 class ModelBuilder(Protocol):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from qllm.cache.paged_kv import PagedKVPool, bytes_per_block
 from qllm.cache.recurrent_slots import RecurrentSlotPool, bytes_per_slot
-from qllm.hookspecs import hookimpl
 from qllm.ops.contracts import CORE_OPS
-from qllm.specs import CacheKindSpec, KernelSpec, LayerKindSpec
+from qllm.plugins.hookspecs import hookimpl
+from qllm.plugins.specs import CacheKindSpec, KernelSpec, LayerKindSpec
 
 
 @hookimpl

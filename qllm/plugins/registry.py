@@ -10,9 +10,9 @@ from typing import Iterable
 import pluggy
 import torch
 
-from qllm import hookspecs
 from qllm.ops.contracts import parameter_mismatch
-from qllm.specs import CacheKindSpec, KernelSpec, LayerKindSpec, ModelSpec, WeightFormatSpec
+from qllm.plugins import builtins, hookspecs
+from qllm.plugins.specs import CacheKindSpec, KernelSpec, LayerKindSpec, ModelSpec, WeightFormatSpec
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +62,9 @@ class PluginRegistry:
     """Everything registered by the built-ins and the installed plugins."""
 
     def __init__(self, extra_plugins: Iterable[object] = (), load_entry_points: bool = True):
-        from qllm import builtins
-
         self.manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.manager.add_hookspecs(hookspecs)
-        self.manager.register(builtins, name="qllm.builtins")
+        self.manager.register(builtins, name="qllm.plugins.builtins")
         if load_entry_points:
             self.manager.load_setuptools_entrypoints(hookspecs.PROJECT_NAME)
         for plugin in extra_plugins:

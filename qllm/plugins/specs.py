@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 if TYPE_CHECKING:
-    from qllm.protocols import ModelBuilder
+    from qllm.plugins.protocols import ModelBuilder
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 FLOAT_DTYPES = HALF_DTYPES + (torch.float32,)
@@ -20,8 +20,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 class ModelSpec:
     """One HF architecture string and how to build it.
 
-    ``build(hf_config, kernels, engine_config) -> CausalLM`` (``qllm.protocols.ModelBuilder``)
-    is called on the meta device; the core then materialises the module on the target device
+    ``build(hf_config, kernels, engine_config) -> CausalLM``
+    (``qllm.plugins.protocols.ModelBuilder``) is called on the meta device; the core then materialises the module on the target device
     and loads its weights.
     """
 
@@ -103,25 +103,3 @@ def triton_on_cuda(dtypes: tuple[torch.dtype, ...] = HALF_DTYPES
         return HAS_TRITON and device.type == "cuda" and dtype in dtypes
 
     return available
-
-
-@dataclass(frozen=True)
-class CacheRequirement:
-    """What one layer needs from its cache kind, per unit of that kind.
-
-    For ``full_attention``: one entry per token, ``{"k": (kv_heads, head_dim), "v": ...}``.
-    For ``linear_attention``: one entry per sequence slot, ``{"conv": ..., "ssm": ...}``.
-    """
-
-    layer_kind: str
-    shapes: dict[str, tuple[int, ...]]
-    dtypes: dict[str, torch.dtype]
-
-    def bytes_per_entry(self) -> int:
-        total = 0
-        for key, shape in self.shapes.items():
-            numel = 1
-            for size in shape:
-                numel *= size
-            total += numel * self.dtypes[key].itemsize
-        return total
