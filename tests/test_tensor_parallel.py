@@ -82,11 +82,11 @@ def _rank_main(rank: int, size: int, store: str, paths: dict, results) -> None:
 
                 results.put(("error", "".join(traceback.format_exception(exc))))
             finally:
-                from qllm.distributed.executor import release_workers
+                from qllm.engine.tensor_parallel.executor import release_workers
 
                 release_workers()
         else:
-            from qllm.distributed.worker import serve
+            from qllm.engine.tensor_parallel.worker import serve
 
             serve(rank)
     finally:
@@ -214,8 +214,8 @@ def test_nccl_path_at_world_size_1(checkpoints, tmp_path):
     TP=1 there too."""
     import torch.distributed as dist
 
-    from qllm.distributed.executor import world_groups
     from qllm.distributed.parallel_state import all_reduce
+    from qllm.engine.tensor_parallel.executor import world_groups
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -238,7 +238,7 @@ def test_nccl_path_at_world_size_1(checkpoints, tmp_path):
         torch.testing.assert_close(captured, 3 * (x + 1))
     finally:
         dist.destroy_process_group()
-        from qllm.distributed import executor
+        from qllm.engine.tensor_parallel import executor
 
         executor._GROUPS = None
 

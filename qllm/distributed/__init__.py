@@ -1,6 +1,6 @@
 """Tensor parallelism on ``torch.distributed``: the process-group state that sharded layers
-read when the model is built (``parallel_state``), the worker processes driven by the engine
-(``worker``) and the executor that starts and watches them (``executor``).
+read when the model is built (``parallel_state``) and how a checkpoint tensor is split between
+ranks (``shards``). The ranks themselves are run by ``qllm.engine.tensor_parallel``.
 
 At ``tensor_parallel_size=1`` none of this runs: no process group, no extra process, and the
 sharded layers build and run as the plain ones.

@@ -70,7 +70,7 @@ class LLMEngine:
         self.kernels = self.plugins.kernels(self.device, config.dtype, config.kernels)
         self.executor = None  # the workers of a tensor-parallel engine (qllm.distributed)
         if config.tensor_parallel_size > 1:  # this process is rank 0; the ranks start here
-            from qllm.distributed.executor import start_engine_shards
+            from qllm.engine.tensor_parallel.executor import start_engine_shards
 
             self.executor, self.model, self.cache, self.runner = start_engine_shards(
                 self, config, hf_config, self.plugins, self.kernels, self.device)

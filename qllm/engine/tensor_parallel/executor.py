@@ -278,7 +278,7 @@ def _spawn_world(size: int, backend: str) -> TensorParallelExecutor:
     rendezvous = tempfile.mkdtemp(prefix="qllm-tp-")
     init_method = f"file://{os.path.join(rendezvous, 'store')}"
     errors = context.Queue()
-    from qllm.distributed.worker import spawned_main
+    from qllm.engine.tensor_parallel.worker import spawned_main
 
     processes = [context.Process(target=spawned_main, name=f"qllm-tp-rank-{rank}",
                                  args=(rank, size, init_method, backend, errors, os.getpid()),
@@ -324,7 +324,7 @@ def _attach_world(size: int, backend: str) -> TensorParallelExecutor:
                          f"tensor-parallel groups is not supported")
     rank = dist.get_rank()
     if rank != 0:
-        from qllm.distributed.worker import serve
+        from qllm.engine.tensor_parallel.worker import serve
 
         groups = world_groups()
         serve(rank)
@@ -340,7 +340,7 @@ def start_engine_shards(engine, config, hf_config, plugins, kernels, device: tor
     """Start the ranks of a tensor-parallel engine and build rank 0's shard: returns
     ``(executor, model, cache, runner)`` for ``LLMEngine``."""
     from qllm.cache.registry import CacheRegistry
-    from qllm.distributed.runner import DriverRunner
+    from qllm.engine.tensor_parallel.runner import DriverRunner
     from qllm.model_builder import build_model
 
     size = config.tensor_parallel_size

@@ -19,7 +19,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from qllm.distributed import executor as tp_executor
+from qllm.engine.tensor_parallel import executor as tp_executor
 from qllm.distributed.parallel_state import building
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def serve(rank: int) -> None:
 
 def _build(rank: int, config, device_type: str, base: int, groups):
     from qllm.cache.registry import CacheRegistry
-    from qllm.distributed.runner import WorkerRunner
+    from qllm.engine.tensor_parallel.runner import WorkerRunner
     from qllm.model_builder import build_model, load_hf_config
     from qllm.plugins.registry import default_registry
 
