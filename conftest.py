@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from qllm.default_model import qwen3_tokenizer_dir
+from qllm.model.default_model import qwen3_tokenizer_dir
 from qllm.testing import require_qwen3_plugin, save_tiny_qwen3
 from qllm.testing.triton_launches import LOG_ENV, record_launches
 

@@ -20,7 +20,7 @@ import tempfile
 import torch
 
 from qllm import LLM, SamplingParams
-from qllm.diagnostics import teacher_forced_logits
+from qllm.engine.diagnostics import teacher_forced_logits
 
 
 def run(path: str, args, state_dtype: str, prompts, greedy, continuations=None):

@@ -64,7 +64,7 @@ class Sequence:
             None if sampling_params.logprobs is None else 0.0
         self.prompt_logprobs: list[dict | None] | None = \
             None if sampling_params.prompt_logprobs is None else [None]
-        # a request with media: its encoder inputs and rotary positions (qllm.multimodal)
+        # a request with media: its encoder inputs and rotary positions (qllm.model.multimodal)
         self.multimodal = None
 
     def __len__(self) -> int:
@@ -161,7 +161,7 @@ class ForwardBatch:
     staged: torch.Tensor | None = None
     staged_layout: Layout | None = None
     # prefill rows of media placeholders and what replaces their token embeddings (their
-    # encoders' outputs, ``qllm.multimodal``); None in a step without media
+    # encoders' outputs, ``qllm.model.multimodal``); None in a step without media
     encoder_rows: torch.Tensor | None = None    # [M] int64
     encoder_embeds: torch.Tensor | None = None  # [M, H]
 

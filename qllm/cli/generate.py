@@ -37,7 +37,7 @@ def add_generate_command(subparsers) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     from qllm import LLM
-    from qllm.default_model import default_model_dir
+    from qllm.model.default_model import default_model_dir
 
     prompts = list(args.prompt)
     if args.prompts_file:

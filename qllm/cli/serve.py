@@ -46,8 +46,8 @@ def run_serve(args: argparse.Namespace) -> int:
               f"source tree, pip install -e \".[serve]\"", file=sys.stderr)
         return 1
     from qllm.config import EngineConfig
-    from qllm.default_model import default_model_dir
     from qllm.engine.llm_engine import LLMEngine
+    from qllm.model.default_model import default_model_dir
 
     model = args.model
     if model is None:

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from qllm.batch import Sequence
 from qllm.config import EngineConfig, SamplingParams
 from qllm.engine.llm_engine import LLMEngine
-from qllm.multimodal import flatten_content
+from qllm.model.multimodal import flatten_content
 from qllm.plugins.registry import PluginRegistry
 
 
@@ -43,7 +43,7 @@ class LLM:
         {"image": item or [items], "audio": ...}}``, the prompt holding the model's
         placeholder per item (``llm.engine.input_processor.placeholders``); images are PIL
         images, paths, bytes or base64 / data URLs, audio ``(array, sampling_rate)`` or a WAV
-        path, bytes or base64 (``qllm.multimodal``). Bad media raise ``MediaError``.
+        path, bytes or base64 (``qllm.model.multimodal``). Bad media raise ``MediaError``.
 
         ``sampling_params`` is one ``SamplingParams`` for all prompts or one per prompt.
         Returns, in prompt order, one dict per prompt: ``prompt_token_ids``,
@@ -114,7 +114,7 @@ def render_chat(tokenizer, conversation, input_processor=None,
                 where: str = "messages[{i}].content[{j}]",
                 continue_final_message: bool = False) -> tuple[str, dict[str, list]]:
     """``(prompt text, media)`` of a conversation (``LLM.chat``'s and the server's): content
-    parts flattened (``qllm.multimodal.flatten_content``; each media part becomes the
+    parts flattened (``qllm.model.multimodal.flatten_content``; each media part becomes the
     placeholder of ``input_processor``, the model's, None for a text-only model), messages
     checked (``chat_messages``) and rendered by the tokenizer's chat template, with the
     assistant's generation prompt or, with ``continue_final_message``, continuing the last

@@ -17,8 +17,8 @@ from qllm.config import EngineConfig, SamplingParams, resolve_device
 from qllm.engine.detokenizer import IncrementalDetokenizer
 from qllm.engine.scheduler import Scheduler
 from qllm.engine.startup import StartupReport
-from qllm.model_builder import build_model, load_hf_config
-from qllm.multimodal import MODALITIES, MediaError, MultimodalInputs, load_audio, load_image
+from qllm.model.builder import build_model, load_hf_config
+from qllm.model.multimodal import MODALITIES, MediaError, MultimodalInputs, load_audio, load_image
 from qllm.plugins.registry import PluginRegistry, default_registry
 from qllm.runner import compile_cache
 from qllm.runner.model_runner import ModelRunner, SampledStep
@@ -85,7 +85,7 @@ class LLMEngine:
                                           self.vocab_size)
         self.scheduler = Scheduler(config, self.cache)
         self.tokenizer = load_tokenizer(config.model)
-        # a multimodal model's media prompts (qllm.multimodal); None for a text-only model
+        # a multimodal model's media prompts (qllm.model.multimodal); None for a text-only model
         self.input_processor = self.model.input_processor(config.model, self.tokenizer)
         self.eos_token_ids = eos_token_ids(config.model, text_config, self.tokenizer)
         self.sequences: dict[str, Sequence] = {}
@@ -164,7 +164,7 @@ class LLMEngine:
                        input_processor=None) -> ProcessedPrompt:
         """``prompt`` tokenized and validated (``tokenize``, ``validate``) and, for a
         multimodal model, its encoder inputs and positions. ``media``: modality ("image",
-        "audio") -> items in prompt order (see ``qllm.multimodal.load_image`` /
+        "audio") -> items in prompt order (see ``qllm.model.multimodal.load_image`` /
         ``load_audio`` for the forms taken); the prompt holds one placeholder
         (``input_processor.placeholders``) per item. Bad media, or a prompt whose media
         tokens do not fit ``max_model_len``, raise ``MediaError``. ``input_processor``:

@@ -68,7 +68,7 @@ def qllm_weight_formats():
     Called once when an engine resolves ``EngineConfig.quantization`` (``LLM(...,
     quantization=NAME)``, ``--quantization NAME``) or a checkpoint's own
     ``quantization_config`` (its ``quant_method`` is looked up in each spec's
-    ``checkpoint_methods``). The chosen spec's ``create`` makes a ``qllm.quantization.
+    ``checkpoint_methods``). The chosen spec's ``create`` makes a ``qllm.model.quantization.
     WeightFormat``, which swaps modules of the meta-device model before it is materialised,
     maps checkpoint tensors (weights, scales) onto the swapped modules while loading, and
     post-processes them after; the swapped modules call the ops the format names in

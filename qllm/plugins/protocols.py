@@ -1,6 +1,6 @@
 """Typed protocols of what a model plugin hands the core (``docs/plugins.md``).
 
-``qllm.model_api.CausalLM`` is the base class models derive from; these protocols state the
+``qllm.model.causal_lm.CausalLM`` is the base class models derive from; these protocols state the
 same contract structurally, for type checkers and for the plugin tests' ``isinstance``
 checks (they are ``runtime_checkable``: the methods must exist, their signatures are not
 checked at run time).

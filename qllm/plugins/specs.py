@@ -78,7 +78,7 @@ class KernelSpec:
 class WeightFormatSpec:
     """A named weight format (quantization method), e.g. 8-bit weights with scales.
 
-    ``create(quant_config, engine_config) -> qllm.quantization.WeightFormat`` makes the format
+    ``create(quant_config, engine_config) -> qllm.model.quantization.WeightFormat`` makes the format
     for one model: ``quant_config`` is the checkpoint's ``quantization_config`` (a dict) when
     the checkpoint is stored in this format, else ``None`` (quantize a full-precision
     checkpoint at load). ``checkpoint_methods`` lists the ``quant_method`` values of

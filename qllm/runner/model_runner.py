@@ -14,8 +14,8 @@ from qllm.config import EngineConfig
 from qllm.layers.logprobs import prompt_token_logprobs, token_logprobs, tokens_only, unpack
 from qllm.layers.penalties import LogitsAdjustments, apply_penalties
 from qllm.layers.sampler import SamplingTensors, sample
-from qllm.model_api import CausalLM
-from qllm.multimodal import encoder_rows, rotary_positions
+from qllm.model.causal_lm import CausalLM
+from qllm.model.multimodal import encoder_rows, rotary_positions
 from qllm.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from qllm.runner.staging import stage
 
@@ -112,7 +112,7 @@ class ModelRunner:
         # the cache kinds' pools, in the registry's (the model's) order: each builds its own
         # fields of every step, padding rows included
         self.pools = list(cache.pools.items())
-        # a multi-axis rotary model (M-RoPE) takes positions [A, T] (qllm.multimodal)
+        # a multi-axis rotary model (M-RoPE) takes positions [A, T] (qllm.model.multimodal)
         self.position_axes = getattr(model, "rotary_position_axes", 1)
         self.graphs: DecodeGraphs | None = None
         use_compile = not config.enforce_eager and (device.type == "cuda" or config.compile_on_cpu)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from qllm.batch import Sequence
 from qllm.config import SamplingParams
 from qllm.engine.llm_engine import LLMEngine
-from qllm.multimodal import MultimodalInputs
+from qllm.model.multimodal import MultimodalInputs
 from qllm.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)

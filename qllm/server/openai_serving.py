@@ -36,7 +36,7 @@ from starlette.responses import PlainTextResponse, StreamingResponse
 from qllm.config import SamplingParams
 from qllm.engine.llm import render_chat
 from qllm.engine.llm_engine import load_tokenizer
-from qllm.multimodal import MediaError
+from qllm.model.multimodal import MediaError
 from qllm.server.async_engine import (
     AsyncEngine,
     EngineStoppedError,

@@ -1,4 +1,4 @@
-"""The ``int8`` and ``fp8`` weight formats (``qllm.quantization.WeightFormat``).
+"""The ``int8`` and ``fp8`` weight formats (``qllm.model.quantization.WeightFormat``).
 
 Which modules become 8-bit:
 
@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from qllm.layers.linear import Linear
-from qllm.loader import CheckpointError, resolve_name
-from qllm.quantization import WeightFormat, swap_modules
+from qllm.model.loader import CheckpointError, resolve_name
+from qllm.model.quantization import WeightFormat, swap_modules
 
 from qllm_kernels_int8.layers import (Fp8Block, Fp8Linear, Int8Linear, QuantizedExperts,
                                       QuantizedExpertWeight, QuantizedLinear)

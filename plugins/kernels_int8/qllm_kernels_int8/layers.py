@@ -4,7 +4,7 @@ scales.
 
 A quantized linear keeps the full-precision module it replaces as its *layout* (not a
 submodule, and stripped of its weight): ``split``, ``shard_offsets`` and where each
-checkpoint shard's rows go (``qllm.quantization.row_runs``) come from it, so packed
+checkpoint shard's rows go (``qllm.model.quantization.row_runs``) come from it, so packed
 projections (q/k/v, gate/up, the GDN input projection, Qwen3-Next's rows grouped per key
 head) load and split as before. The bias stays full precision.
 
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from qllm.layers.linear import default_weight_loader
-from qllm.quantization import row_runs
+from qllm.model.quantization import row_runs
 
 from qllm_kernels_int8.quant import (FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8_blocks,
                                      quantize_int8_rows)

@@ -9,7 +9,7 @@ frame (13 per second of audio, ``qllm_qwen3.asr.audio_token_count``).
 
 from __future__ import annotations
 
-from qllm.multimodal import EncoderInput, InputProcessor, MediaError, MultimodalInputs, \
+from qllm.model.multimodal import EncoderInput, InputProcessor, MediaError, MultimodalInputs, \
     content_hash, items_of, placeholder_slots
 
 from qllm_qwen3.asr import audio_token_count

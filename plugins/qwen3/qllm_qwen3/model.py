@@ -15,7 +15,7 @@ from qllm.layers.linear import PackedLinear, RowParallelLinear
 from qllm.layers.mlp import SwiGLUMLP
 from qllm.layers.norm import RMSNorm
 from qllm.layers.rotary import QKNormRotary, rope_theta
-from qllm.model_api import CausalLM
+from qllm.model.causal_lm import CausalLM
 from qllm.plugins.registry import Kernels
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from qllm.default_model import qwen3_tokenizer_dir
+from qllm.model.default_model import qwen3_tokenizer_dir
 from qllm.testing import perturb_, require_qwen3_plugin
 
 RATE = 16000

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qllm import LLM, SamplingParams
-from qllm.multimodal import MediaError
+from qllm.model.multimodal import MediaError
 from qllm.testing import assert_cache_free, require_qwen3_plugin
 
 require_qwen3_plugin()

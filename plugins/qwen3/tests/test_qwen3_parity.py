@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qllm import LLM, SamplingParams
-from qllm.diagnostics import teacher_forced_logits
+from qllm.engine.diagnostics import teacher_forced_logits
 from qllm.testing import assert_cache_free, hf_greedy, prefill_logits, random_prompts
 
 MAX_TOKENS = 64

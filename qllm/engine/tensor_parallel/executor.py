@@ -341,7 +341,7 @@ def start_engine_shards(engine, config, hf_config, plugins, kernels, device: tor
     ``(executor, model, cache, runner)`` for ``LLMEngine``."""
     from qllm.cache.registry import CacheRegistry
     from qllm.engine.tensor_parallel.runner import DriverRunner
-    from qllm.model_builder import build_model
+    from qllm.model.builder import build_model
 
     size = config.tensor_parallel_size
     check_tensor_parallel(hf_config.get_text_config(), size)

@@ -50,7 +50,7 @@ def serve(rank: int) -> None:
 def _build(rank: int, config, device_type: str, base: int, groups):
     from qllm.cache.registry import CacheRegistry
     from qllm.engine.tensor_parallel.runner import WorkerRunner
-    from qllm.model_builder import build_model, load_hf_config
+    from qllm.model.builder import build_model, load_hf_config
     from qllm.plugins.registry import default_registry
 
     device = tp_executor.local_device(device_type, base, rank)

@@ -18,7 +18,7 @@ from qllm.layers.linear import Linear, PackedLinear
 from qllm.layers.mlp import SwiGLUMLP
 from qllm.layers.norm import RMSNorm
 from qllm.layers.rotary import rope_theta
-from qllm.model_api import CausalLM
+from qllm.model.causal_lm import CausalLM
 from qllm.ops.rope import rotate_neox
 from qllm.plugins.registry import Kernels
 

@@ -10,11 +10,11 @@ import torch
 
 from qllm.config import EngineConfig
 from qllm.distributed.parallel_state import get_tp
-from qllm.loader import (checkpoint_dtypes, checkpoint_files, init_dummy_weights,
+from qllm.model.loader import (checkpoint_dtypes, checkpoint_files, init_dummy_weights,
                          iterate_checkpoint, load_weights)
-from qllm.model_api import CausalLM
+from qllm.model.causal_lm import CausalLM
+from qllm.model.quantization import resolve_weight_format
 from qllm.plugins.registry import Kernels, PluginRegistry
-from qllm.quantization import resolve_weight_format
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def build_model(config: EngineConfig, hf_config, plugins: PluginRegistry, kernel
                 device: torch.device) -> CausalLM:
     """Build on the meta device, materialise on ``device`` in ``config.dtype``, then load the
     checkpoint (or dummy weights) straight into the device tensors. A weight format
-    (``qllm.quantization``: ``config.quantization`` or the checkpoint's own
+    (``qllm.model.quantization``: ``config.quantization`` or the checkpoint's own
     ``quantization_config``) swaps its modules in on the meta device, after the cast to
     ``config.dtype``, and maps and post-processes the checkpoint's tensors."""
     spec = plugins.model_spec(hf_config.architectures)

@@ -21,7 +21,7 @@ class CausalLM(nn.Module):
 
     packed_modules: dict[str, tuple[str, str]] = {}
     # Axes of the rotary positions: 1 gives ``positions [T]``; a multi-axis model (M-RoPE: 3)
-    # gets ``positions [A, T]`` (see ``qllm.multimodal``).
+    # gets ``positions [A, T]`` (see ``qllm.model.multimodal``).
     rotary_position_axes: int = 1
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -55,13 +55,13 @@ class CausalLM(nn.Module):
         return name
 
     def input_processor(self, model_dir: str, tokenizer):
-        """A multimodal model's ``qllm.multimodal.InputProcessor`` (its media prompts), or
+        """A multimodal model's ``qllm.model.multimodal.InputProcessor`` (its media prompts), or
         None for a text-only model."""
         return None
 
     def encode(self, item) -> torch.Tensor:
         """A multimodal model's encoder (vision tower, audio encoder + projector) over one
-        ``qllm.multimodal.EncoderInput``: its embeddings ``[item.length, H]``, which replace
+        ``qllm.model.multimodal.EncoderInput``: its embeddings ``[item.length, H]``, which replace
         the embeddings of the item's placeholder tokens. Called once per item, at prefill."""
         raise NotImplementedError(f"{type(self).__name__} takes no media inputs")
 

@@ -5,7 +5,7 @@ A plugin registers ``WeightFormatSpec``s through the ``qllm_weight_formats`` hoo
 knows no format by name. ``resolve_weight_format`` picks the one for an engine: the
 checkpoint's own ``quantization_config`` (config.json) when it has one, else
 ``EngineConfig.quantization``. The chosen spec's ``create`` returns a ``WeightFormat``, which
-``qllm.model_builder.build_model`` drives in four steps:
+``qllm.model.builder.build_model`` drives in four steps:
 
 1. ``replace_modules(model, kernels, checkpoint)`` on the meta-device model, after it is cast
    to the engine dtype and before it is materialised (gpt-fast style module swap): the

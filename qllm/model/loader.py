@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from qllm.distributed.shards import CheckpointSlice
 from qllm.layers.linear import default_weight_loader
-from qllm.model_api import CausalLM
+from qllm.model.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)
 
