@@ -80,7 +80,17 @@ def run_qllm(model_dir: str, prompts, params, args) -> dict:
     return {**result, "tokens": tokens, "seconds": seconds, "startup_seconds": round(startup, 1),
             "startup": llm.engine.startup.summary(),
             "kernels": llm.engine.kernels.names(),
+            "cache_units": {name: pool.num_units
+                            for name, pool in llm.engine.cache.pools.items()},
+            "weights_gib": round(weight_bytes(llm.engine.model) / 2**30, 2),
             "decode_graph_sizes": graphs.sizes if graphs else None}
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's checkpoint tensors (its state dict, tied tensors once; the cache
+    pools are not in it)."""
+    unique = {t.data_ptr(): t.nbytes for t in model.state_dict().values()}
+    return sum(unique.values())
 
 
 class StepTimeline:
