@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from qllm.cli.options import HelpFormatter, add_engine_options, engine_options
+from qllm.cli.options import (HelpFormatter, add_engine_options, add_model_option,
+                              engine_options)
 from qllm.config import SamplingParams
 
 DEFAULT_PROMPT = "The capital of France is"
@@ -16,8 +17,7 @@ def add_generate_command(subparsers) -> None:
     """Add ``generate`` to the ``qllm`` command's subparsers."""
     parser = subparsers.add_parser("generate", help="generate text for prompts",
                                    formatter_class=HelpFormatter)
-    parser.add_argument("--model", help="checkpoint directory (default: a built-in small "
-                                        "Qwen3 with random weights)")
+    add_model_option(parser)
     parser.add_argument("--prompt", action="append", default=[],
                         help=f"a prompt, repeat for several (default: {DEFAULT_PROMPT!r} "
                              f"when neither --prompt nor --prompts-file is given)")

@@ -26,6 +26,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def add_model_option(parser: argparse.ArgumentParser) -> None:
+    """``--model``, the checkpoint every command that builds an engine serves."""
+    parser.add_argument("--model", help="checkpoint directory (default: a built-in small "
+                                        "Qwen3 with random weights)")
+
+
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """Engine options shared by every command that builds an engine; their defaults are
     ``EngineConfig``'s."""

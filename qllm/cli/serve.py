@@ -10,12 +10,12 @@ import argparse
 import logging
 import sys
 
-from qllm.cli.options import HelpFormatter, add_engine_options, engine_options, run_command
+from qllm.cli.options import (HelpFormatter, add_engine_options, add_model_option,
+                              engine_options, run_command)
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="checkpoint directory (default: a built-in small "
-                                        "Qwen3 with random weights)")
+    add_model_option(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
     parser.add_argument("--served-model-name",
