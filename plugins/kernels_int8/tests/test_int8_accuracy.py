@@ -31,7 +31,9 @@ from qllm_kernels_int8.layers import QuantizedExperts, QuantizedLinear  # noqa: 
 from qllm_kernels_int8.quant import (dequantize_fp8_blocks, dequantize_int8_rows,  # noqa: E402
                                      quantize_fp8_blocks)
 
-OPTIONS = dict(dtype="float32", device="cpu", enforce_eager=True, warm_up=False)
+# a small cache budget: each engine here (up to three alive at once) would take 2 GiB on CPU
+OPTIONS = dict(dtype="float32", device="cpu", enforce_eager=True, warm_up=False,
+               kv_cache_memory_bytes=64 * 2**20)
 COSINE_BOUND = {"int8": 0.9995, "fp8": 0.99}
 PROMPT = list(range(5, 45))
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
