@@ -210,6 +210,11 @@ class EngineConfig:
     # decode batches pad up to the next size: every 8 pads at most 7 rows (200 running
     # sequences padded to 224 cost W2 about 3% with coarser sizes)
     cudagraph_batch_sizes: tuple[int, ...] = (1, 2, 4, *range(8, 513, 8))
+    # a prefill step of one sequence that completes its prompt in at most the largest of
+    # these many tokens replays a CUDA graph of the next size up (a short prompt's eager
+    # prefill is launch-bound: hundreds of small kernels); multiples of 16, the sizes the
+    # kernels are compiled for; () for none
+    prefill_cudagraph_token_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
     load_format: str = "auto"
     seed: int = 0
     recurrent_state_dtype: torch.dtype = torch.float32
@@ -250,6 +255,11 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', "
                              f"got {self.load_format!r}")
         self.cudagraph_batch_sizes = tuple(sorted(set(self.cudagraph_batch_sizes)))
+        self.prefill_cudagraph_token_sizes = tuple(sorted(set(
+            self.prefill_cudagraph_token_sizes)))
+        if any(size < 16 or size % 16 for size in self.prefill_cudagraph_token_sizes):
+            raise ValueError(f"prefill_cudagraph_token_sizes must be positive multiples of 16, "
+                             f"got {self.prefill_cudagraph_token_sizes!r}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":

@@ -73,13 +73,14 @@ class ProbePool(CachePool):
         return -(-num_tokens // PAGE)
 
     def step_fields(self, seqs, context_lens, seq_lens, num_padding=0,
-                    max_model_len=None) -> StepFields:
+                    max_model_len=None, padding_len=1) -> StepFields:
         self.step_seqs = list(seqs)
         pages = [self.pages[seq.seq_id] for seq in seqs]
         entries = [table[pos // PAGE] * PAGE + pos % PAGE
                    for table, start, end in zip(pages, context_lens, seq_lens)
                    for pos in range(start, end)]
-        entries += [self.padding_unit * PAGE] * num_padding
+        entries += [self.padding_unit * PAGE + pos % PAGE
+                    for pos in range(padding_len)] * num_padding
         width = self.units_needed(max_model_len) if max_model_len else max(map(len, pages),
                                                                            default=1)
         pages = [table + [self.padding_unit] * (width - len(table)) for table in pages]

@@ -150,13 +150,15 @@ class CachePool(abc.ABC):
 
     @abc.abstractmethod
     def step_fields(self, seqs: list[Sequence], context_lens: list[int], seq_lens: list[int],
-                    num_padding: int = 0, max_model_len: int | None = None) -> StepFields:
+                    num_padding: int = 0, max_model_len: int | None = None,
+                    padding_len: int = 1) -> StepFields:
         """This kind's batch fields of one step, staged by the runner with the common ones.
 
         Sequence ``seqs[i]`` computes positions ``context_lens[i] .. seq_lens[i] - 1``; its
         units are reserved. Then ``num_padding`` inert rows follow (a CUDA-graph bucket's):
-        one token at position 0 each, which must name only ``padding_unit``. Per-token
-        fields follow the tokens in order (a padding row has one token).
+        ``padding_len`` tokens each (one in decode; any number, even none, in prefill) at
+        positions ``0 .. padding_len - 1``, which must name only ``padding_unit``. Per-token
+        fields follow the tokens in order.
 
         With ``max_model_len`` the fields take the fixed shapes of a CUDA graph's static
         inputs, sized for sequences of up to that many tokens (e.g. block tables that wide),

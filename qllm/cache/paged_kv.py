@@ -94,7 +94,8 @@ class PagedKVPool(CachePool):
         return self.manager.blocks_needed(num_tokens)
 
     def step_fields(self, seqs: list[Sequence], context_lens: list[int], seq_lens: list[int],
-                    num_padding: int = 0, max_model_len: int | None = None) -> StepFields:
+                    num_padding: int = 0, max_model_len: int | None = None,
+                    padding_len: int = 1) -> StepFields:
         """``block_tables`` (``max_model_len``'s blocks wide, or the step's longest table's)
         and ``slot_mapping``; see ``PagedKVBatch``."""
         bs, padding, tables = self.block_size, self.padding_unit, self.manager.tables
@@ -105,7 +106,8 @@ class PagedKVPool(CachePool):
                 slot_mapping.append(table[start // bs] * bs + start % bs)
             else:
                 slot_mapping += [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
-        slot_mapping += [padding * bs] * num_padding
+        # an inert row's tokens stay in the padding block (positions past it wrap around)
+        slot_mapping += [padding * bs + pos % bs for pos in range(padding_len)] * num_padding
         width = self.manager.blocks_needed(max_model_len) if max_model_len else \
             max(1, max(map(len, block_tables), default=1))
         block_tables = [table + [padding] * (width - len(table)) for table in block_tables]

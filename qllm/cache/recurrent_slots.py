@@ -166,7 +166,8 @@ class RecurrentSlotPool(CachePool):
         return 1
 
     def step_fields(self, seqs: list[Sequence], context_lens: list[int], seq_lens: list[int],
-                    num_padding: int = 0, max_model_len: int | None = None) -> StepFields:
+                    num_padding: int = 0, max_model_len: int | None = None,
+                    padding_len: int = 1) -> StepFields:
         """``slots`` and ``has_initial_state``; see ``RecurrentSlotBatch``."""
         held = self.slots
         slots = [held[seq.seq_id] for seq in seqs] + [self.padding_unit] * num_padding

@@ -41,9 +41,9 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     themselves (the new K/V must already be stored). Returns ``[T, Hq, D]``."""
     out = torch.empty_like(q)
     block_tables = batch.caches["paged_kv"].block_tables  # [B, W]
-    starts = batch.query_start_loc.tolist()
-    for i, (query_len, seq_len) in enumerate(zip(batch.query_lens_host, batch.seq_lens_host)):
-        start = starts[i]
+    starts = batch.query_start_loc.tolist()  # the tensors, not host copies: graph replays
+    for i, seq_len in enumerate(batch.seq_lens.tolist()):  # refresh them, not the copies
+        start, query_len = starts[i], starts[i + 1] - starts[i]
         num_blocks = -(-seq_len // k_cache.shape[1])
         table = block_tables[i, :num_blocks]
         k = _gather_pages(k_cache, table)[:seq_len]  # [S, Hkv, D]

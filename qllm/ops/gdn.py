@@ -75,8 +75,9 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
         else:
             prefix = x.new_zeros(x.shape[1], width, dtype=torch.float32)
         window = torch.cat([prefix, x[start:end].float().t()], dim=1)  # [C, K-1+L]
-        conv = F.conv1d(window[None], w, groups=x.shape[1])[0]  # [C, L]
-        out[start:end] = F.silu(conv).t().to(x.dtype)
+        if end > start:  # a sequence of no new tokens (a graph's inert row) keeps its prefix
+            conv = F.conv1d(window[None], w, groups=x.shape[1])[0]  # [C, L]
+            out[start:end] = F.silu(conv).t().to(x.dtype)
         conv_state[slot] = window[:, window.shape[1] - width:].to(conv_state.dtype)
     q, k, v = (part.contiguous() for part in out.split(split_sizes, dim=-1))
     return q, k, v

@@ -1,4 +1,7 @@
-"""Decode through CUDA graphs: one graph per padded batch-size bucket, captured at start-up.
+"""Steps through CUDA graphs, captured at start-up: decode, one graph per padded batch-size
+bucket; the prefill of one sequence's last prompt tokens, one graph per padded token-count
+bucket (a short prompt's prefill is hundreds of small kernels, so launching them one by one
+takes longer than running them).
 
 Each captured step reads its inputs from static buffers (views of one staged buffer per
 bucket, ``qllm.runner.staging``) and writes logits to a static output, so a replay is: copy
@@ -9,6 +12,7 @@ fixed addresses, so the graph writes K/V and recurrent state in place.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 
 import torch
@@ -34,28 +38,55 @@ class CudaGraphCapture:
         return graph, output
 
 
-class DecodeGraphs:
-    """Graphs of ``step(input_ids, positions, batch) -> logits`` for each bucket size.
+@dataclasses.dataclass(frozen=True)
+class GraphShape:
+    """The fixed shape of a captured step, which a smaller step is padded up to with inert
+    rows (each of ``padding_len`` tokens at positions ``0 ..``, naming only the cache kinds'
+    padding units; ``CachePool.step_fields``).
+
+    Decode: ``size`` sequences of one token each; a batch of fewer sequences gets one-token
+    inert rows. Prefill: one sequence's last ``n <= size`` prompt tokens, then one inert row
+    of the other ``size - n`` (possibly none); at capture, with no sequence, two inert rows
+    of ``size // 2``. Every row samples its last token, so the layout never changes.
+    """
+
+    is_prefill: bool
+    size: int  # decode: sequences; prefill: tokens
+
+    def padding(self, num_seqs: int, num_tokens: int) -> tuple[int, int]:
+        """``(inert rows, tokens in each)`` that pad a step of ``num_seqs`` sequences and
+        ``num_tokens`` tokens to this shape."""
+        if not self.is_prefill:
+            return self.size - num_seqs, 1
+        if num_seqs == 0:
+            return 2, self.size // 2
+        return 1, self.size - num_tokens
+
+
+class StepGraphs:
+    """Graphs of ``step(input_ids, positions, batch) -> logits`` for each bucket size of one
+    phase (decode: sequences; prefill: tokens).
 
     ``make_inputs(size)`` returns inert padded inputs of a bucket, staged in one buffer
     (``batch.staged``; used for capture, they are the graph's static inputs); ``capture(fn) ->
     (graph, output)`` records one graph (``CudaGraphCapture`` on a GPU).
     """
 
-    def __init__(self, step, make_inputs, sizes: list[int], capture):
+    def __init__(self, step, make_inputs, sizes: list[int], capture, phase: str = "decode"):
         self.sizes = sorted(sizes)
         self.graphs: dict[int, object] = {}
         self.inputs: dict[int, tuple] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing decode graphs",
+        for size in tqdm(sorted(self.sizes, reverse=True), desc=f"Capturing {phase} graphs",
                          unit="graph"):
             self.inputs[size] = make_inputs(size)
             self.graphs[size], self.outputs[size] = capture(
                 functools.partial(step, *self.inputs[size]))
 
-    def bucket(self, batch_size: int) -> int | None:
-        """The smallest captured size holding ``batch_size``, or None when none does."""
-        index = bisect.bisect_left(self.sizes, batch_size)
+    def bucket(self, count: int) -> int | None:
+        """The smallest captured size holding ``count`` (sequences or tokens), or None when
+        none does."""
+        index = bisect.bisect_left(self.sizes, count)
         return self.sizes[index] if index < len(self.sizes) else None
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -16,7 +17,7 @@ from qllm.layers.penalties import LogitsAdjustments, apply_penalties
 from qllm.layers.sampler import SamplingTensors, sample
 from qllm.model.causal_lm import CausalLM
 from qllm.model.multimodal import encoder_rows, rotary_positions
-from qllm.runner.cuda_graphs import CudaGraphCapture, DecodeGraphs
+from qllm.runner.cuda_graphs import CudaGraphCapture, GraphShape, StepGraphs
 from qllm.runner.staging import stage
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,8 @@ class HostInputs:
     ``fields`` name -> (values, dtype), the cache kinds' fields named ``"{kind}.{field}"``
     (``cache_fields`` lists each kind's); host copies of the query and sequence lengths;
     ``num_sampled`` rows whose next token is sampled (before any padding); the media rows'
-    encoder outputs (prefill with media only). Picklable."""
+    encoder outputs (prefill with media only); the captured shape the step is padded to, if
+    any. Picklable."""
 
     is_prefill: bool
     fields: dict[str, tuple[list, torch.dtype]]
@@ -90,6 +92,7 @@ class HostInputs:
     seq_lens: list[int]
     num_sampled: int
     encoder_embeds: torch.Tensor | None = None
+    graph: GraphShape | None = None
 
 
 class ModelRunner:
@@ -98,8 +101,11 @@ class ModelRunner:
     Decode runs through ``torch.compile``d decoder layers and, on CUDA, CUDA graphs of whole
     steps, one per padded batch-size bucket, captured at start-up; a decode batch larger than
     the largest bucket runs without graphs. Prefill runs the decoder layers eagerly around
-    their compiled pointwise regions (``CausalLM.prefill_regions``). ``enforce_eager`` turns
-    all of it off; on CPU it is off unless ``compile_on_cpu``.
+    their compiled pointwise regions (``CausalLM.prefill_regions``), except that a step of
+    one sequence whose prompt it completes, in at most the largest of
+    ``prefill_cudagraph_token_sizes`` tokens, replays a CUDA graph of its token-count bucket
+    (no prompt log-probs, no media). ``enforce_eager`` turns all of it off; on CPU it is off
+    unless ``compile_on_cpu``.
     """
 
     def __init__(self, model: CausalLM, config: EngineConfig, cache: CacheRegistry,
@@ -114,18 +120,19 @@ class ModelRunner:
         self.pools = list(cache.pools.items())
         # a multi-axis rotary model (M-RoPE) takes positions [A, T] (qllm.model.multimodal)
         self.position_axes = getattr(model, "rotary_position_axes", 1)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None  # decode
+        self.prefill_graphs: StepGraphs | None = None
         use_compile = not config.enforce_eager and (device.type == "cuda" or config.compile_on_cpu)
         if use_compile:
             self._compile()
 
     # ----------------------------------------------------------------- batch metadata
-    def prepare(self, scheduled: ScheduledBatch, pad_to: int | None = None,
+    def prepare(self, scheduled: ScheduledBatch, graph: GraphShape | None = None,
                 fixed_layout: bool = False, previous: SampledStep | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
         """Inputs ``[T]``, positions ``[T]`` (``[A, T]`` for a model of ``A > 1`` rotary
-        position axes) and the ``ForwardBatch`` of a step, padded with
-        inert rows up to ``pad_to`` sequences (decode only), all views of one staged buffer
+        position axes) and the ``ForwardBatch`` of a step, padded with inert rows up to the
+        captured shape ``graph`` (see ``GraphShape``), all views of one staged buffer
         (``batch.staged``, see ``staging``). Each cache kind's pool adds its own fields
         (``CachePool.step_fields``), for ``fixed_layout`` in the fixed shapes that a CUDA
         graph's static inputs take (sized for ``max_model_len``). A pending input token
@@ -133,10 +140,10 @@ class ModelRunner:
         device tokens. A prefill step's rows of media placeholders get their encoder's output
         (``batch.encoder_rows`` / ``encoder_embeds``; the encoder runs on an item's first
         step)."""
-        inputs = self.host_inputs(scheduled, pad_to, fixed_layout, previous)
+        inputs = self.host_inputs(scheduled, graph, fixed_layout, previous)
         return self.stage_inputs(inputs, None if previous is None else previous.device_tokens)
 
-    def host_inputs(self, scheduled: ScheduledBatch, pad_to: int | None = None,
+    def host_inputs(self, scheduled: ScheduledBatch, graph: GraphShape | None = None,
                     fixed_layout: bool = False, previous: SampledStep | None = None
                     ) -> HostInputs:
         """The host half of ``prepare``: the step's fields as lists, before staging (what a
@@ -171,21 +178,25 @@ class ModelRunner:
             context_lens.append(start)
             if end == len(seq):
                 logits_indices.append(query_start_loc[-1] - 1)
-        num_padding = max(0, (pad_to or 0) - len(scheduled))
+        num_padding, padding_len = (0, 1) if graph is None else \
+            graph.padding(len(scheduled), query_start_loc[-1])
         max_model_len = self.config.max_model_len if fixed_layout else None
         cache_fields = {name: pool.step_fields(scheduled.seqs, context_lens, seq_lens,
-                                               num_padding, max_model_len)
+                                               num_padding, max_model_len, padding_len)
                         for name, pool in self.pools}
-        if num_padding:  # inert rows for a CUDA-graph bucket: one token at position 0 each
-            num_tokens = query_start_loc[-1]
-            input_ids += [0] * num_padding
-            positions += [0] * num_padding
+        if num_padding:  # inert rows of a CUDA-graph bucket, each sampling its last token
+            padding_positions = list(range(padding_len)) * num_padding
+            input_ids += [0] * len(padding_positions)
+            positions += padding_positions
             for axis in axes_positions:
-                axis += [0] * num_padding
-            query_start_loc += range(num_tokens + 1, num_tokens + num_padding + 1)
-            seq_lens = seq_lens + [1] * num_padding  # new lists: the pools were handed these
+                axis += padding_positions
+            first = query_start_loc[-1]
+            ends = [first + padding_len * (row + 1) for row in range(num_padding)]
+            query_start_loc += ends
+            # new lists: the pools were handed these
+            seq_lens = seq_lens + [padding_len] * num_padding
             context_lens = context_lens + [0] * num_padding
-            logits_indices += range(num_tokens, num_tokens + num_padding)
+            logits_indices += [end - 1 for end in ends]
         query_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
         if self.position_axes > 1:
             positions = axes_positions
@@ -205,7 +216,7 @@ class ModelRunner:
         return HostInputs(scheduled.is_prefill, fields,
                           {name: list(kind_fields) for name, kind_fields in cache_fields.items()},
                           query_lens, seq_lens, len(logits_indices) - num_padding,
-                          torch.cat(mm_embeds) if mm_rows else None)
+                          torch.cat(mm_embeds) if mm_rows else None, graph)
 
     def stage_inputs(self, inputs: HostInputs, pending_tokens: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
@@ -218,6 +229,9 @@ class ModelRunner:
                   for name, pool in self.pools}
         prefill = inputs.is_prefill
         embeds = inputs.encoder_embeds
+        max_query_len, max_seq_len = max(inputs.query_lens), max(inputs.seq_lens)
+        if prefill and inputs.graph is not None:  # the graph's launches hold for any step
+            max_query_len, max_seq_len = inputs.graph.size, self.config.max_model_len
         batch = ForwardBatch(
             is_prefill=prefill,
             query_start_loc=tensors["query_start_loc"],
@@ -227,8 +241,8 @@ class ModelRunner:
             caches=caches,
             query_lens_host=inputs.query_lens if prefill else None,
             seq_lens_host=inputs.seq_lens if prefill else None,
-            max_query_len=max(inputs.query_lens),
-            max_seq_len=max(inputs.seq_lens),
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
             staged=staged,
             staged_layout=layout,
             encoder_rows=tensors.get("encoder_rows"),
@@ -265,17 +279,16 @@ class ModelRunner:
                     previous: SampledStep | None = None,
                     prompt_logprobs: tuple[list[int], list[int], int] | None = None):
         """Queue the forward pass of one step: logits ``[N, V]`` of the sequences whose every
-        position is then computed. Decode replays the CUDA graph of its batch-size bucket
-        where one exists; prefill runs the layers eagerly (see the class docstring).
+        position is then computed. A step that fits a captured CUDA graph replays it
+        (``graph_shape``); others run the layers as they are (see the class docstring).
 
         With ``prompt_logprobs`` = (rows of the step's tokens, the prompt tokens they
         predict, K) (prefill only), returns ``(logits, packed)``: also the packed log-probs
         of those prompt tokens (``qllm.layers.logprobs``)."""
-        bucket = self.graphs.bucket(len(scheduled)) \
-            if self.graphs is not None and not scheduled.is_prefill else None
-        if bucket is not None:
-            input_ids, positions, batch = self._step_inputs(scheduled, previous, bucket)
-            return self.graphs.replay(input_ids, positions, batch)[:len(scheduled)]
+        graph = None if prompt_logprobs is not None else self.graph_shape(scheduled)
+        if graph is not None:
+            input_ids, positions, batch = self._step_inputs(scheduled, previous, graph)
+            return self.replay(graph, input_ids, positions, batch)[:len(scheduled)]
         input_ids, positions, batch = self._step_inputs(scheduled, previous)
         if prompt_logprobs is None:
             return self._forward_logits(input_ids, positions, batch)
@@ -288,11 +301,44 @@ class ModelRunner:
         return logits, prompt_token_logprobs(self.model.compute_logits, hidden, staged[0],
                                              staged[1], k)
 
+    def graph_shape(self, scheduled: ScheduledBatch) -> GraphShape | None:
+        """The captured shape that ``scheduled`` runs in, or None to run the layers as they
+        are: a decode batch of at most the largest decode bucket; a prefill step of one
+        sequence, without media, whose prompt it completes in at most the largest prefill
+        bucket's tokens (a chunk that samples nothing keeps the eager path)."""
+        if not scheduled.is_prefill:
+            size = self.graphs.bucket(len(scheduled)) if self.graphs is not None else None
+            return None if size is None else GraphShape(False, size)
+        if self.prefill_graphs is None or len(scheduled) != 1:
+            return None
+        seq, num_tokens = scheduled.seqs[0], scheduled.num_tokens[0]
+        if seq.multimodal is not None or seq.num_computed_tokens + num_tokens != len(seq):
+            return None
+        size = self.prefill_graphs.bucket(num_tokens)
+        return None if size is None else GraphShape(True, size)
+
+    @contextlib.contextmanager
+    def eager_prefill(self):
+        """Within: prefill steps run the layers as they are, never a prefill graph (the
+        start-up warm-up compiles the eager path's kernels for its step sizes)."""
+        graphs, self.prefill_graphs = self.prefill_graphs, None
+        try:
+            yield
+        finally:
+            self.prefill_graphs = graphs
+
+    def replay(self, graph: GraphShape, input_ids: torch.Tensor, positions: torch.Tensor,
+               batch: ForwardBatch) -> torch.Tensor:
+        """Replay the captured step of shape ``graph`` on inputs staged in its fixed layout;
+        returns its static logits (one row per sequence, inert rows included)."""
+        graphs = self.prefill_graphs if graph.is_prefill else self.graphs
+        return graphs.replay(input_ids, positions, batch)
+
     def _step_inputs(self, scheduled: ScheduledBatch, previous: SampledStep | None,
-                     bucket: int | None = None):
-        """A step's inputs for ``step_logits``, padded to the graph ``bucket`` if one (a
-        tensor-parallel driver also sends them to its workers here)."""
-        return self.prepare(scheduled, pad_to=bucket, fixed_layout=bucket is not None,
+                     graph: GraphShape | None = None):
+        """A step's inputs for ``step_logits``, padded to the captured shape ``graph`` if one
+        (a tensor-parallel driver also sends them to its workers here)."""
+        return self.prepare(scheduled, graph, fixed_layout=graph is not None,
                             previous=previous)
 
     def _prompt_logprob_rows(self, scheduled: ScheduledBatch):
@@ -407,18 +453,41 @@ class ModelRunner:
         for region in self.model.prefill_regions():  # inlined into the layers' decode graphs
             region.compile(dynamic=True, fullgraph=True)
         if self.device.type == "cuda":
-            sizes = [s for s in self.config.cudagraph_batch_sizes
-                     if s <= self.config.max_num_seqs]
-            if not sizes or sizes[-1] < self.config.max_num_seqs:
-                sizes.append(self.config.max_num_seqs)
-            dummy = ScheduledBatch([], [], is_prefill=False)
+            capture = CudaGraphCapture(self.device)
             with torch.inference_mode():
-                self.graphs = DecodeGraphs(
-                    self._decode_logits,
-                    lambda size: self.prepare(dummy, pad_to=size, fixed_layout=True),
-                    sizes, CudaGraphCapture(self.device))
+                self.graphs = self.capture_graphs(False, self.decode_graph_sizes(), capture)
+                self.prefill_graphs = self.capture_graphs(True, self.prefill_graph_sizes(),
+                                                          capture)
             torch.cuda.synchronize(self.device)
         self.startup_compile_seconds = time.perf_counter() - start
-        logger.info("decode compiled%s in %.1f s",
+        logger.info("decode compiled%s%s in %.1f s",
                     f" and captured for batch sizes {self.graphs.sizes}" if self.graphs else "",
-                    self.startup_compile_seconds)
+                    f", prefill captured for {self.prefill_graphs.sizes} tokens"
+                    if self.prefill_graphs else "", self.startup_compile_seconds)
+
+    def decode_graph_sizes(self) -> list[int]:
+        """The decode buckets: ``cudagraph_batch_sizes`` up to ``max_num_seqs``, and that."""
+        config = self.config
+        sizes = [s for s in config.cudagraph_batch_sizes if s <= config.max_num_seqs]
+        if not sizes or sizes[-1] < config.max_num_seqs:
+            sizes.append(config.max_num_seqs)
+        return sizes
+
+    def prefill_graph_sizes(self) -> list[int]:
+        """The prefill buckets: ``prefill_cudagraph_token_sizes`` that one step and one
+        sequence can hold."""
+        config = self.config
+        limit = min(config.max_num_batched_tokens, config.max_model_len)
+        return [s for s in config.prefill_cudagraph_token_sizes if s <= limit]
+
+    def capture_graphs(self, is_prefill: bool, sizes: list[int], capture) -> StepGraphs | None:
+        """Graphs of whole steps of one phase for each bucket of ``sizes`` (None if none),
+        each recorded by ``capture(fn) -> (graph, output)`` on inert inputs of its fixed
+        shape (``GraphShape``)."""
+        if not sizes:
+            return None
+        dummy = ScheduledBatch([], [], is_prefill=is_prefill)
+        step = self._forward_logits if is_prefill else self._decode_logits
+        return StepGraphs(
+            step, lambda size: self.prepare(dummy, GraphShape(is_prefill, size), fixed_layout=True),
+            sizes, capture, "prefill" if is_prefill else "decode")

@@ -3,7 +3,7 @@
 - ``qllm.testing.models``: tiny random Qwen3 checkpoints, random prompts, transformers' greedy
   reference.
 - ``qllm.testing.engine``: checks on a running engine (cache leaks, prefill logits, token
-  comparisons) and the CUDA-graph decode path on the CPU.
+  comparisons) and the CUDA-graph decode and prefill paths on the CPU.
 - ``qllm.testing.batch``: ``forward_batch``, a ``ForwardBatch`` from sequence lengths.
 - ``qllm.testing.kernels``: the GPU kernels' test scaffolding (skip markers, the Triton
   interpreter run, traced-graph inspection); ``qllm.testing.triton_launches`` compiles the
@@ -15,12 +15,12 @@ The first three are re-exported here.
 
 from qllm.testing.batch import forward_batch
 from qllm.testing.engine import (RerunGraph, assert_cache_free, assert_greedy_equal_up_to_ties,
-                                 assert_same_tokens, prefill_logits, rerun_capture,
-                                 with_decode_graphs)
+                                 assert_same_tokens, last_token_logits, prefill_logits,
+                                 rerun_capture, with_decode_graphs, with_prefill_graphs)
 from qllm.testing.models import (hf_greedy, perturb_, random_prompts, require_qwen3_plugin,
                                  save_tiny_qwen3, tiny_qwen3_config)
 
 __all__ = ["RerunGraph", "assert_cache_free", "assert_greedy_equal_up_to_ties",
-           "assert_same_tokens", "forward_batch", "hf_greedy", "perturb_", "prefill_logits",
-           "random_prompts", "require_qwen3_plugin", "rerun_capture", "save_tiny_qwen3",
-           "tiny_qwen3_config", "with_decode_graphs"]
+           "assert_same_tokens", "forward_batch", "hf_greedy", "last_token_logits", "perturb_",
+           "prefill_logits", "random_prompts", "require_qwen3_plugin", "rerun_capture",
+           "save_tiny_qwen3", "tiny_qwen3_config", "with_decode_graphs", "with_prefill_graphs"]

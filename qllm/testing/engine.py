@@ -1,14 +1,15 @@
 """Checks on a running engine: every cache unit back in its pool, qllm's prefill logits,
-token comparisons (exact, or up to numerical ties), and the CUDA-graph decode path replayed on
-the CPU."""
+token comparisons (exact, or up to numerical ties), and the CUDA-graph decode and prefill
+paths replayed on the CPU."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from qllm import SamplingParams
 from qllm.batch import ScheduledBatch, Sequence
-from qllm.runner.cuda_graphs import DecodeGraphs
 
 
 def assert_cache_free(llm) -> None:
@@ -18,20 +19,37 @@ def assert_cache_free(llm) -> None:
     assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
 
 
-def prefill_logits(llm, prompt: list[int]) -> torch.Tensor:
-    """qllm's logits ``[T, V]`` (as fp32) at every position of ``prompt`` in one prefill step."""
-    engine = llm.engine
+@contextlib.contextmanager
+def admitted(engine, prompt: list[int]):
+    """A greedy sequence of ``prompt`` holding room for all of it in every cache pool, none of
+    it cached (the prefix cache is emptied first); released on exit."""
     engine.cache.reset_prefix_cache()  # a cached prefix would leave only the tail to compute
     seq = Sequence(prompt, SamplingParams(temperature=0))
     assert engine.cache.admit(seq) == 0 and engine.cache.reserve(seq, len(prompt))
     try:
-        input_ids, positions, batch = engine.runner.prepare(
-            ScheduledBatch([seq], [len(prompt)], is_prefill=True))
-        with torch.inference_mode():
-            hidden = engine.model(input_ids, positions, batch)
-            return engine.model.compute_logits(hidden).float()
+        yield seq
     finally:
         engine.cache.release(seq)
+
+
+def prefill_logits(llm, prompt: list[int]) -> torch.Tensor:
+    """qllm's logits ``[T, V]`` (as fp32) at every position of ``prompt`` in one prefill step,
+    the layers run as they are."""
+    engine = llm.engine
+    with admitted(engine, prompt) as seq, torch.inference_mode():
+        input_ids, positions, batch = engine.runner.prepare(
+            ScheduledBatch([seq], [len(prompt)], is_prefill=True))
+        hidden = engine.model(input_ids, positions, batch)
+        return engine.model.compute_logits(hidden).float()
+
+
+def last_token_logits(llm, prompt: list[int]) -> torch.Tensor:
+    """qllm's logits ``[V]`` (as fp32) after ``prompt``'s one prefill step as the runner runs
+    it: through the CUDA graph of its token bucket where prefill graphs are captured."""
+    engine = llm.engine
+    with admitted(engine, prompt) as seq:
+        scheduled = ScheduledBatch([seq], [len(prompt)], is_prefill=True)
+        return engine.runner.step_logits(scheduled)[0].float()
 
 
 def assert_same_tokens(got: list[dict], expected: list[dict]) -> None:
@@ -80,7 +98,7 @@ class RerunGraph:
 
 
 def rerun_capture(fn):
-    """A ``DecodeGraphs`` capture function: ``fn`` run once for its output, then rerun on
+    """A ``StepGraphs`` capture function: ``fn`` run once for its output, then rerun on
     each replay."""
     output = fn()
     return RerunGraph(fn, output), output
@@ -91,10 +109,16 @@ def with_decode_graphs(llm, sizes: list[int]):
     ``rerun_capture``, so CPU decode steps take the CUDA-graph path: padded to a bucket,
     staged in the fixed layout, copied into the bucket's static inputs."""
     runner = llm.engine.runner
-    dummy = ScheduledBatch([], [], is_prefill=False)
     with torch.inference_mode():
-        runner.graphs = DecodeGraphs(
-            runner._decode_logits,
-            lambda size: runner.prepare(dummy, pad_to=size, fixed_layout=True),
-            sizes, rerun_capture)
+        runner.graphs = runner.capture_graphs(False, sizes, rerun_capture)
+    return llm
+
+
+def with_prefill_graphs(llm, sizes: list[int]):
+    """``llm`` with its runner's prefill "graphs" for token ``sizes`` captured by
+    ``rerun_capture``, so a CPU prefill step of one sequence that completes its prompt takes
+    the CUDA-graph path: padded with an inert row to a bucket, in the fixed layout."""
+    runner = llm.engine.runner
+    with torch.inference_mode():
+        runner.prefill_graphs = runner.capture_graphs(True, sizes, rerun_capture)
     return llm

@@ -1,8 +1,9 @@
 """Hybrid models on CUDA. The Qwen3.5-35B-A3B geometry (first 4 layers: 3 Gated DeltaNet + 1
 gated attention, 256-expert MoE whose experts share a common component, see
 ``build_real_geometry_model``) in bf16 with every installed kernel plugin: last-token logits
-against transformers on the same random weights, and compiled (CUDA-graph) decode against
-eager. Tiny hybrid models in fp32: compiled decode token for token."""
+against transformers on the same random weights, and compiled (CUDA-graph) decode and
+prefill against eager. Tiny hybrid models in fp32: compiled decode and prefill token for
+token."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 
 from qllm import LLM, SamplingParams
 from qllm.engine.diagnostics import teacher_forced_logits
-from qllm.testing import assert_cache_free, assert_same_tokens, prefill_logits, random_prompts
+from qllm.testing import (assert_cache_free, assert_same_tokens, last_token_logits,
+                          prefill_logits, random_prompts)
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -132,6 +134,48 @@ def test_bf16_compiled_decode_logits_match_eager(checkpoint):
     assert cosine.mean() >= 0.999
     assert cosine.min() >= TWO_ROUNDINGS_COSINE
     assert not mismatched.any()
+    assert_cache_free(compiled)
+
+
+def test_bf16_prefill_graph_logits_match_eager(checkpoint):
+    """A prompt's prefill through the CUDA graph of its token bucket (padded with an inert
+    row; none left for 16 and 512 tokens) against the eager prefill: last-token logits within
+    ``TWO_ROUNDINGS_COSINE``, the same argmax unless the eager top two are within
+    ``TIE_STD``."""
+    path, _ = checkpoint
+    prompts = random_prompts([5, 16, 100, 300, 512], vocab_size=VOCAB)
+    eager = LLM(path, enforce_eager=True, **ENGINE)
+    expected = torch.stack([last_token_logits(eager, prompt) for prompt in prompts])  # [P, V]
+    del eager
+    compiled = LLM(path, **ENGINE)
+    graphs = compiled.engine.runner.prefill_graphs
+    assert graphs is not None and graphs.sizes[-1] == 512
+    got = torch.stack([last_token_logits(compiled, prompt) for prompt in prompts])
+    cosine = torch.nn.functional.cosine_similarity(got, expected, dim=-1)  # [P]
+    top2 = expected.topk(2, dim=-1).values
+    decisive = (top2[:, 0] - top2[:, 1]) > TIE_STD * expected.std(dim=-1)
+    print(f"prefill graph vs eager last-token logits: cosine {cosine.tolist()}")
+    assert cosine.min() >= TWO_ROUNDINGS_COSINE
+    assert not ((got.argmax(-1) != expected.argmax(-1)) & decisive).any()
+    assert_cache_free(compiled)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next"])
+def test_fp32_prefill_graphs_equal_eager(kind, tmp_path):
+    """One request at a time, so each prompt's last prefill step replays a prefill graph
+    (16 and 512 tokens fill a bucket; 600 and 700, in steps of at most 512 tokens, end with
+    a graph after an eager chunk): the same greedy tokens as eager, token for token, in
+    fp32."""
+    qwen3_5_testing.save_checkpoint(kind, str(tmp_path), max_position_embeddings=2048)
+    prompts = random_prompts([5, 16, 100, 512, 700, 600], vocab_size=512)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    engine = dict(dtype="float32", device="cuda", max_num_seqs=1, max_model_len=2048,
+                  kv_cache_memory_bytes=1 << 30, max_num_batched_tokens=512)
+    expected = LLM(str(tmp_path), enforce_eager=True, **engine).generate(prompts, params,
+                                                                        use_tqdm=False)
+    compiled = LLM(str(tmp_path), **engine)
+    assert compiled.engine.runner.prefill_graphs is not None
+    assert_same_tokens(compiled.generate(prompts, params, use_tqdm=False), expected)
     assert_cache_free(compiled)
 
 

@@ -16,18 +16,19 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from qllm.runner.cuda_graphs import GraphShape
 from qllm.runner.model_runner import HostInputs, ModelRunner, SampledStep
 
 
 @dataclasses.dataclass
 class StepMessage:
-    """One step for the workers: its inputs, the decode graph to replay (None: run the
-    layers as they are), whether the driver broadcasts the step's sampled tokens after it,
+    """One step for the workers: its inputs, the shape of the captured graph to replay (None:
+    run the layers as they are), whether the driver broadcasts the step's sampled tokens after it,
     and the cache copies (``(kind, sources, targets)``, recurrent-state checkpoints) that
     the driver's pools made since the last step, to repeat first."""
 
     inputs: HostInputs
-    graph: int | None
+    graph: GraphShape | None
     send_tokens: bool
     copies: list[tuple[str, list[int], list[int]]]
 
@@ -63,13 +64,13 @@ class DriverRunner(ModelRunner):
             self._copies.append((name, list(sources), list(targets)))
         return recorded
 
-    def _step_inputs(self, scheduled, previous, bucket=None):
-        inputs = self.host_inputs(scheduled, pad_to=bucket, fixed_layout=bucket is not None,
+    def _step_inputs(self, scheduled, previous, graph=None):
+        inputs = self.host_inputs(scheduled, graph, fixed_layout=graph is not None,
                                   previous=previous)
         embeds = inputs.encoder_embeds
         message = StepMessage(
             dataclasses.replace(inputs, encoder_embeds=None if embeds is None else embeds.cpu()),
-            bucket, self._launching and inputs.num_sampled > 0, self._copies)
+            graph, self._launching and inputs.num_sampled > 0, self._copies)
         self._copies = []
         self.executor.send(("step", message))
         return self.stage_inputs(inputs, None if previous is None else previous.device_tokens)
@@ -95,7 +96,7 @@ class DriverRunner(ModelRunner):
 
 class WorkerRunner(ModelRunner):
     """A worker rank's runner: runs the driver's steps on its shard of the model; samples
-    nothing (its logits, where a decode graph computes them, go unused)."""
+    nothing (its logits, where a graph computes them, go unused)."""
 
     def __init__(self, *args, device_group=None, **kwargs):
         self.device_group = device_group
@@ -108,7 +109,7 @@ class WorkerRunner(ModelRunner):
             self.cache.pools[name]._copy(sources, targets)
         input_ids, positions, batch = self.stage_inputs(message.inputs, self.last_tokens)
         if message.graph is not None:
-            self.graphs.replay(input_ids, positions, batch)
+            self.replay(message.graph, input_ids, positions, batch)
         else:
             self.model(input_ids, positions, batch)
         if message.send_tokens:
