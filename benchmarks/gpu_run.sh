@@ -32,6 +32,8 @@
 #   int8-tests: that plugin's kernel, accuracy and weight-format tests; config-tests: the Qwen3.5 config variants (a shared
 #   expert of another size) on CUDA; profile-w1/w2/w3,
 #   profile-w1-prefill, profile-w2-prefill: profile_step.py;
+#   profile-w3-prefill: W3's 512-token prompt from admission to its first token, through
+#   the prefill graph and then eagerly (profile_step.py --phase prefill);
 #   ncu-gdn: Nsight Compute counters of the GDN decode kernel at batch 200 (bf16 state in
 #   consecutive slots, as in W2; the sweep's first config, the default 16 x 1 warp);
 #   state-dtype: bf16 vs fp32 recurrent state at the real geometry; tune-moe: quick MoE
@@ -155,6 +157,13 @@ for stage in "$@"; do
                          --profile-decode 1 512 --profile-out "$out" ;;
         w3-peer) run w3_peer 150 python3 benchmarks/throughput.py --workload w3 \
                      --engine transformers --peer-batch 1 --peer-max-tokens 64 ;;
+        profile-w3-prefill) run profile_w3_prefill 150 python3 benchmarks/profile_step.py \
+                                --workload w3 --batch 1 --context 512 --phase prefill \
+                                --recurrent-state-dtype bfloat16 --out "$out"
+                            run profile_w3_prefill_eager 150 python3 benchmarks/profile_step.py \
+                                --workload w3 --batch 1 --context 512 --phase prefill \
+                                --recurrent-state-dtype bfloat16 --no-prefill-graphs \
+                                --out "$out/eager" ;;
         profile-w1) run profile_w1 150 python3 benchmarks/profile_step.py --workload w1 \
                         --batch 256 --context 1100 --out "$out" ;;
         profile-w1-prefill) run profile_w1_prefill 150 python3 benchmarks/profile_step.py \

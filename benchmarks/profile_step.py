@@ -1,11 +1,13 @@
 """Profile engine steps of a workload's model at a fixed batch (torch profiler, CUDA).
 
-Admits ``--batch`` sequences of ``--context`` prompt tokens. ``--phase decode`` prefills them
-first; ``--phase prefill`` profiles their prefill steps (of up to ``max_num_batched_tokens``
-tokens each, after a warm-up request). Then
-(a) times ``--steps`` steps as the engine runs them (decode: CUDA graphs when captured),
-(b) profiles the next ``--steps``: GPU busy time per step and the idle gaps between kernels,
-(c) sums kernel time by op kind (GDN, attention, MoE, GEMM, sampling, other) per step.
+``--phase decode`` admits ``--batch`` sequences of ``--context`` prompt tokens and prefills
+them; a unit is then one decode step. ``--phase prefill``: a unit is the whole prefill of
+``--batch`` fresh prompts of ``--context`` tokens (admitted together, one token sampled each,
+in as many steps as it takes: for one short prompt, its time to first token). Then
+(a) times ``--steps`` units as the engine runs them (CUDA graphs where captured),
+(b) profiles the next ``--steps``: GPU busy time per unit and the idle gaps between kernels
+(a unit whose wall time is far above its GPU busy time is bound by the host's launches),
+(c) sums kernel time by op kind (GDN, attention, MoE, GEMM, sampling, other) per unit.
 Writes a Chrome trace, the top-kernel table and the kernel sequence of the last profiled
 step (duration, idle gap before it, op kind, name: one layer's kernels read top to bottom)
 under ``--out``. ``throughput.py --profile-decode`` runs the same profile on the engine of a
@@ -50,21 +52,47 @@ def model_len_needed(context: int, steps: int) -> int:
     return context + 4 * steps + 64
 
 
+def random_prompts(batch: int, context: int, rng: random.Random) -> list[list[int]]:
+    return [[rng.randint(0, 9999) for _ in range(context)] for _ in range(batch)]
+
+
 def queue_requests(engine, phase: str, batch: int, context: int, steps: int) -> None:
-    """Queue ``batch`` sequences of ``context`` random prompt tokens; for ``phase ==
-    "decode"`` also prefill them, so that every following step decodes."""
+    """Make the engine ready for ``phase``'s units: for ``"decode"``, ``batch`` sequences of
+    ``context`` random prompt tokens, prefilled so that every following step decodes; for
+    ``"prefill"``, one unit run as a warm-up."""
     from qllm import SamplingParams
 
-    rng = random.Random(0)
+    if phase == "prefill":
+        prefill_unit(engine, batch, context, random.Random(1))
+        return
     params = SamplingParams(temperature=0, max_tokens=4 * steps + 16, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request([rng.randint(0, 9999) for _ in range(context)], params)
-    if phase == "decode":
-        while engine.scheduler.waiting or any(len(s) == s.num_prompt_tokens
-                                              for s in engine.scheduler.running):
-            engine.step()
-        for _ in range(3):  # warm-up
-            engine.step()
+    for prompt in random_prompts(batch, context, random.Random(0)):
+        engine.add_request(prompt, params)
+    while engine.scheduler.waiting or any(len(s) == s.num_prompt_tokens
+                                          for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):  # warm-up
+        engine.step()
+
+
+def decode_unit(engine) -> int:
+    """One engine step of the running batch; returns the tokens it computes."""
+    tokens = len(engine.scheduler.running)
+    engine.step()
+    return tokens
+
+
+def prefill_unit(engine, batch: int, context: int, rng: random.Random) -> int:
+    """Prefill ``batch`` fresh random prompts of ``context`` tokens to their first token (no
+    prefix-cache hits: the tokens are new); returns the prompt tokens computed."""
+    from qllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for prompt in random_prompts(batch, context, rng):
+        engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    return batch * context
 
 
 def kernel_intervals(prof) -> list[tuple[float, float, str]]:
@@ -104,25 +132,23 @@ def write_sequence(path: str, intervals, kernels_per_step: int) -> None:
             previous_end = end
 
 
-def profile_steps(engine, tag: str, steps: int, out: str) -> dict:
-    """Time ``steps`` engine steps, then profile ``steps`` more; write the trace, the kernel
-    table and the last step's kernel sequence under ``out`` (file names carry ``tag``), print
-    the table, and return the figures (step time, kernels, GPU busy and idle, kernel time
-    per op kind)."""
-    def computed() -> int:
-        return sum(seq.num_computed_tokens for seq in engine.scheduler.running)
-
+def profile_steps(engine, tag: str, steps: int, out: str, unit=None) -> dict:
+    """Time ``steps`` units (``unit()`` runs one and returns the tokens it computed; by default
+    one decode step), then profile ``steps`` more; write the trace, the kernel table and the
+    last unit's kernel sequence under ``out`` (file names carry ``tag``), print the table, and
+    return the figures per unit (``step_ms``, kernels, GPU busy and idle, kernel time per op
+    kind)."""
+    unit = unit or (lambda: decode_unit(engine))
     torch.cuda.synchronize()
-    before, start = computed(), time.perf_counter()
-    for _ in range(steps):
-        engine.step()
+    start = time.perf_counter()
+    tokens = sum(unit() for _ in range(steps))
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - start) / steps * 1e3
-    tokens_per_step = (computed() - before) / steps
+    tokens_per_step = tokens / steps
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            engine.step()
+            unit()
         torch.cuda.synchronize()
     os.makedirs(out, exist_ok=True)
     prof.export_chrome_trace(os.path.join(out, f"trace-{tag}.json"))
@@ -161,6 +187,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--recurrent-state-dtype", default="float32",
                         help="GDN state dtype of hybrid models (float32 or bfloat16)")
+    parser.add_argument("--no-prefill-graphs", action="store_true",
+                        help="prefill steps run eagerly (prefill_cudagraph_token_sizes=())")
     parser.add_argument("--out", default=os.environ.get("OUT", "profile-out"))
     args = parser.parse_args()
 
@@ -169,15 +197,20 @@ def main() -> None:
     config, _, _ = workload(args.workload)
     llm = LLM(write_config(config, args.num_layers), load_format="dummy", dtype="bfloat16",
               max_num_seqs=args.batch, max_model_len=model_len_needed(args.context, args.steps),
-              enforce_eager=args.enforce_eager, recurrent_state_dtype=args.recurrent_state_dtype)
+              enforce_eager=args.enforce_eager, recurrent_state_dtype=args.recurrent_state_dtype,
+              **({"prefill_cudagraph_token_sizes": ()} if args.no_prefill_graphs else {}))
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     queue_requests(llm.engine, args.phase, args.batch, args.context, args.steps)
     tag = f"{args.workload}-{args.phase}-b{args.batch}-ctx{args.context}"
-    figures = profile_steps(llm.engine, tag, args.steps, args.out)
+    rng = random.Random(2)
+    unit = (lambda: prefill_unit(llm.engine, args.batch, args.context, rng)) \
+        if args.phase == "prefill" else None
+    figures = profile_steps(llm.engine, tag, args.steps, args.out, unit)
     print(json.dumps({
         "workload": args.workload, "phase": args.phase, "batch": args.batch,
         "context": args.context, "num_layers": args.num_layers,
-        "recurrent_state_dtype": args.recurrent_state_dtype, **figures,
+        "recurrent_state_dtype": args.recurrent_state_dtype,
+        "prefill_graphs": llm.engine.runner.prefill_graphs is not None, **figures,
         "commit": commit(), "date": time.strftime("%Y-%m-%d")}), flush=True)
 
 
