@@ -3,7 +3,8 @@
 # stages named on the command line, logging each under $OUT (or ./gpu-out).
 #   bash benchmarks/gpu_run.sh gpu-tests w1 profile-w1 kernel-tests
 # Stages (each killed after its time limit, so one hang does not cost the call):
-#   gpu-tests: Qwen3 and Qwen3.5 model tests on CUDA; kernel-tests: kernel parity tests
+#   gpu-tests: Qwen3 and Qwen3.5 model tests on CUDA (prefill-graph-tests: the prefill
+#   CUDA-graph ones alone); kernel-tests: kernel parity tests
 #   (moe-tests: the MoE ones alone, stopping at the first failure; quick-kernel-tests: the MoE
 #   align, parity, table-entry, forced-config, graph and compile cases, the GDN conv,
 #   prefill, decode, gated-norm and compile cases and the q/k norm + RoPE cases, which fit a
@@ -76,6 +77,8 @@ for stage in "$@"; do
         gpu-tests) run gpu_tests 480 python3 -m pytest $PYTEST_GPU --timeout 300 \
                        plugins/qwen3_5/tests/test_gpu_qwen3_5.py \
                        plugins/qwen3/tests/test_gpu_qwen3.py ;;
+        prefill-graph-tests) run prefill_graph_tests 300 python3 -m pytest $PYTEST_GPU \
+                                 -k "prefill_graph" plugins/qwen3_5/tests/test_gpu_qwen3_5.py ;;
         kernel-tests) run kernel_tests 300 python3 -m pytest $PYTEST_GPU \
                           plugins/kernels_moe/tests/test_kernels_moe.py \
                           plugins/kernels_gdn/tests/test_kernels_gdn.py ;;
