@@ -97,22 +97,20 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         """Serve dummy prompts that fill one prefill step (``max_num_batched_tokens`` tokens,
-        up to ``max_num_seqs`` prompts) and decode, then prefill steps of 1 and 17 tokens and
-        of every power of two from 16 tokens up to the full size, then one step of as many
-        one-token prompts as fit, then forget their cached prefixes. Kernels compile and tune
-        here, at start-up, rather than inside the first requests of each kind: the full
-        prefill's shapes; the token counts that select tile configs (the MoE kernels' table
-        is keyed by token counts); the odd sizes, since Triton compiles a variant per integer
-        argument equal to 1 or not divisible by 16, and torch.compile specialises the
-        compiled prefill regions on a size of 1; and the launch configs that follow the
-        number of sequences in a step (the GDN recurrence's tile in short prefill steps)."""
+        up to ``max_num_seqs`` prompts) and decode, then prefill steps of the sizes
+        ``warm_up_prefill_sizes`` lists, then one step of as many one-token prompts as fit,
+        then forget their cached prefixes. Kernels compile and tune here, at start-up, rather
+        than inside the first requests of each kind: the full prefill's shapes; the token
+        counts that select tile configs and kernels (see ``warm_up_prefill_sizes``); and the
+        launch configs that follow the number of sequences in a step (the GDN recurrence's
+        tile in short prefill steps)."""
         start = time.perf_counter()
         config = self.config
         count = min(config.max_num_seqs, 16)
         longest = max(1, min(config.max_model_len - 2, config.max_num_batched_tokens))
         length = max(1, min(longest, config.max_num_batched_tokens // count))
         self._serve_dummy([length] * count)
-        ladder = [1, 17] + [1 << k for k in range(4, 32) if 1 << k < length * count]
+        ladder = warm_up_prefill_sizes(length * count)
         for size in ladder:  # prompts of at most `longest` tokens that sum to `size`
             full, rest = divmod(size, longest)
             self._serve_dummy([longest] * full + ([rest] if rest else []))
@@ -127,9 +125,10 @@ class LLMEngine:
         """Generate two tokens for dummy prompts of ``lengths`` tokens, all admitted at once,
         with the prefix cache emptied before and after and off between (so no hit or
         state-checkpoint boundary shrinks a prefill step, and no dummy prefix outlives the
-        warm-up)."""
+        warm-up), and every prefill step run eagerly, never as a prefill CUDA graph (so the
+        eager path's kernels meet each step size)."""
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-        with self.cache.prefix_caching_paused():
+        with self.cache.prefix_caching_paused(), self.runner.eager_prefill():
             for j, length in enumerate(lengths):
                 prompt = [(j * length + i) % self.vocab_size for i in range(length)]
                 self.add_request(prompt, params, request_id=f"qllm-warm-up-{j}")
@@ -292,6 +291,25 @@ class LLMEngine:
         if seq.detokenizer is None and self.tokenizer is not None:
             seq.output_text = self.tokenizer.decode(seq.output_token_ids,
                                                     skip_special_tokens=True)
+
+
+def warm_up_prefill_sizes(full: int) -> list[int]:
+    """Token counts of the warm-up's prefill steps after the first, full one of ``full``
+    tokens: 1 and 17, then every power of two from 16 and, between each two from 32, the
+    odd size one less than their midpoint (47, 95, ..., ``3 * 2**k - 1``), all below
+    ``full``.
+
+    Triton compiles a variant of a kernel per integer argument equal to 1, divisible by 16
+    or neither (torch.compile specialises the prefill regions on 1), and the kernels pick
+    tiles and paths by token count: the MoE kernels' table (keys from 1 to 16,384 tokens)
+    and sort (one program up to 512 tokens), the GDN recurrence up to 512 tokens and fla's
+    chunked kernels above (its L2 norm tuned per 4,096 tokens at 16 heads). The odd sizes
+    put a count that is not a multiple of 16 into every such range, and reach the ranges
+    between powers of two: a step of 2,024 tokens (the hybrid prefix cache's chunks stop at
+    KV block boundaries) would otherwise compile the MoE sort while serving."""
+    powers = [1 << k for k in range(4, 32) if 1 << k < full]
+    halfway = [(3 << k) - 1 for k in range(4, 32) if (3 << k) - 1 < full]
+    return [1, 17] + sorted(powers + halfway)
 
 
 def check_model_dir(path: str) -> None:
