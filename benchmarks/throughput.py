@@ -97,7 +97,8 @@ class StepTimeline:
     """Records the engine's steps from now on: the kind of batch each launched (prefill,
     decode, or none while the last tokens land), its size and the step's wall time. With
     async scheduling a step's wall time also covers the wait for the step before it, so the
-    split by kind is approximate at the boundaries between phases."""
+    split by kind is approximate at the boundaries between phases (a compile at a batch's
+    launch still counts in that batch's step)."""
 
     def __init__(self, engine):
         self.rows: list[tuple[str, int, int, float]] = []  # (kind, seqs, tokens, seconds)
@@ -122,9 +123,10 @@ class StepTimeline:
         engine.scheduler.schedule, engine.step = recording_schedule, timed_step
 
     def summary(self) -> dict:
-        """Per kind: steps, seconds, tokens; for prefill also each step's seconds (a slow
-        first step shows a compile the warm-up missed); for decode the mean batch and the
-        time spent in steps of under 64 sequences (the tail of a run)."""
+        """Per kind: steps, seconds, tokens; for prefill also each step's seconds, sequences
+        and tokens (a slow step shows a compile the warm-up missed, and its shape which one);
+        for decode the mean batch and the time spent in steps of under 64 sequences (the
+        tail of a run)."""
         out = {}
         for kind in ("prefill", "decode", "none"):
             rows = [r for r in self.rows if r[0] == kind]
@@ -134,6 +136,8 @@ class StepTimeline:
         prefill = [r for r in self.rows if r[0] == "prefill"]
         if prefill:
             out["prefill"]["step_seconds"] = [round(r[3], 3) for r in prefill]
+            out["prefill"]["step_seqs"] = [r[1] for r in prefill]
+            out["prefill"]["step_tokens"] = [r[2] for r in prefill]
         decode = [r for r in self.rows if r[0] == "decode"]
         if decode:
             out["decode"]["mean_batch"] = round(sum(r[1] for r in decode) / len(decode), 1)
