@@ -2,9 +2,9 @@
 to ``torch.compile`` (a fake gives each output's shape, so the decode graph stays whole).
 Inside an op the row count is concrete and picks the kernel:
 
-- ``linear_w8a16``: the GEMV up to ``GEMV_MAX_ROWS`` rows; the Triton W8A16 GEMM up to
-  ``GEMM_MAX_ROWS`` (decode batches: memory-bound, where reading 1 byte per weight is the
-  gain); beyond, the weight dequantized to ``x.dtype`` and ``F.linear`` (prefill:
+- ``linear_w8a16``: the GEMV (``triton_gemv``) up to ``GEMV_MAX_ROWS`` rows; the Triton
+  W8A16 GEMM up to ``GEMM_MAX_ROWS`` (decode batches: memory-bound, where reading 1 byte per
+  weight is the gain); beyond, the weight dequantized to ``x.dtype`` and ``F.linear`` (prefill:
   compute-bound, the dequantized copy costs 3 bytes per weight against ``2 * M`` flops per
   weight, and cuBLAS's tuned GEMMs beat an untuned Triton one). Not yet measured.
 - ``linear_fp8_block``: the GEMV (weight-only) up to ``GEMV_MAX_ROWS`` rows; beyond, the
@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qllm_kernels_int8.gemv_configs import GEMV_MAX_ROWS
 from qllm_kernels_int8.quant import dequantize_int8_rows
 
-GEMV_MAX_ROWS = 4
 GEMM_MAX_ROWS = 512
 
 
@@ -34,14 +34,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def linear_w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
     """The contract of ``quant.linear_w8a16``."""
-    from qllm_kernels_int8 import triton_linear
+    from qllm_kernels_int8 import triton_gemv, triton_linear
 
     x2 = _rows(x)
     rows = x2.shape[0]
     if rows == 0 or rows > GEMM_MAX_ROWS:
         return F.linear(x, dequantize_int8_rows(weight, scale, x.dtype), bias)
     if rows <= GEMV_MAX_ROWS:
-        out = triton_linear.gemv_8bit(x2, weight, scale, bias)
+        out = triton_gemv.gemv_8bit(x2, weight, scale, bias)
     else:
         out = triton_linear.w8a16_gemm(x2, weight, scale, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -57,14 +57,14 @@ def linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
                      bias: torch.Tensor | None, block_n: int, block_k: int) -> torch.Tensor:
     """The contract of ``quant.linear_fp8_block``; beyond ``GEMV_MAX_ROWS`` rows the
     activations are quantized (W8A8)."""
-    from qllm_kernels_int8 import triton_linear
+    from qllm_kernels_int8 import triton_gemv, triton_linear
 
     x2 = _rows(x)
     rows, block = x2.shape[0], (block_n, block_k)
     if rows == 0:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
     if rows <= GEMV_MAX_ROWS:
-        out = triton_linear.gemv_8bit(x2, weight, scale_inv, bias, block)
+        out = triton_gemv.gemv_8bit(x2, weight, scale_inv, bias, block)
     else:
         xq, x_scale = triton_linear.fp8_group_quant(x2, block_k)
         out = triton_linear.fp8_block_gemm(xq, x_scale, weight, scale_inv, bias, block,

@@ -12,9 +12,10 @@ H]`` left for the residual add to sum); what differs is the weight tiles:
   of ``bk`` columns first (``triton_linear.fp8_group_quant``); each ``BLOCK_K`` step lies in
   one group and adds ``dot(a, w) * a_scale[row] * w_scale[n // bn]``.
 
-The table's ``BLOCK_M == 1`` entries (kernels_moe's one-program-per-slot path at a few
-tokens) have no 8-bit variant yet: those token counts take ``SMALL_BATCH`` through the
-sorted path. The tiles are kernels_moe's bf16 ones, not tuned for 8-bit weights.
+Where the table's entry has ``BLOCK_M == 1`` (kernels_moe's one-program-per-slot path, at a
+few tokens), the 8-bit twin of that path runs instead (``triton_slot_moe``: no sort, GEMV-style
+programs, fp8 weight-only there), with its own tiles (``gemv_configs.slot_moe_config``). The
+sorted path's tiles are kernels_moe's bf16 ones, not tuned for 8-bit weights.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ import triton.language as tl
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
 from qllm_kernels_moe.triton_align import moe_align_triton
 
+from qllm_kernels_int8.gemv_configs import slot_moe_config
 from qllm_kernels_int8.triton_linear import fp8_group_quant
+from qllm_kernels_int8.triton_slot_moe import slot_down_8bit, slot_gate_up_8bit
 
 MIN_FP8_BLOCK_K = 32
-SMALL_BATCH = MoeConfig(16, GemmConfig(64, 128), GemmConfig(64, 128))
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -150,6 +152,16 @@ def _fit(config: GemmConfig, block: tuple[int, int] | None) -> GemmConfig:
                                                                         BLOCK_K=block_k)
 
 
+def moe_config(tokens: int, num_experts: int, gate_up_rows: int, hidden_size: int,
+               top_k: int) -> MoeConfig:
+    """kernels_moe's table entry for ``tokens``; where it picks the slot path (``BLOCK_M``
+    1), the 8-bit slot path's tiles (``slot_moe_config``)."""
+    config = get_config(tokens, num_experts, gate_up_rows, hidden_size, top_k)
+    if config.BLOCK_M == 1:
+        return slot_moe_config(tokens * top_k, gate_up_rows // 2, hidden_size)
+    return config
+
+
 def fused_moe_8bit(x: torch.Tensor, w13: tuple[torch.Tensor, torch.Tensor],
                    w2: tuple[torch.Tensor, torch.Tensor], topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, shared_w13: tuple[torch.Tensor, torch.Tensor],
@@ -160,20 +172,24 @@ def fused_moe_8bit(x: torch.Tensor, w13: tuple[torch.Tensor, torch.Tensor],
     ``x [T, H]``, ``(weight, scale)`` pairs of the experts' ``w13 [E, 2I, H]`` and ``w2 [E,
     H, I]`` and of the shared expert's ``[2I, H]`` / ``[H, I]``, routing ``[T, k]`` -> each
     slot's weighted output ``[T, k, H]`` in ``x.dtype``. Weights and scales contiguous.
-    ``quantize(a, group) -> (q, scale)`` quantizes the fp8 path's activations (the Triton
-    kernel; tests pass the plain-torch one, see ``test_kernels_int8``)."""
+    ``config`` defaults to ``moe_config``'s; one with ``BLOCK_M`` 1 runs the slot path (fp8
+    weight-only). ``quantize(a, group) -> (q, scale)`` quantizes the sorted fp8 path's
+    activations (the Triton kernel; tests pass the plain-torch one, see
+    ``test_kernels_int8``)."""
     (w13_q, w13_s), (w2_q, w2_s) = w13, w2
     tokens, hidden_size = x.shape
     num_experts, gate_up_rows, _ = w13_q.shape
     top_k = topk_ids.shape[1]
     if tokens == 0:
         return x.new_zeros(tokens, top_k, hidden_size)
-    if config is None:
-        config = get_config(tokens, num_experts, gate_up_rows, hidden_size, top_k)
-        if config.BLOCK_M == 1:
-            config = SMALL_BATCH
+    config = config or moe_config(tokens, num_experts, gate_up_rows, hidden_size, top_k)
     x = x if x.stride(-1) == 1 else x.contiguous()
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
+    if config.BLOCK_M == 1:
+        hidden = slot_gate_up_8bit(x, w13, shared_w13, topk_ids, config.up, block)  # [S, I]
+        expert_out = slot_down_8bit(hidden, w2, shared_w2, topk_weights, topk_ids,
+                                    config.down, block)  # [S, H]
+        return expert_out.view(tokens, top_k, hidden_size)
     sorted_slots = moe_align_triton(topk_ids, num_experts + 1, config.BLOCK_M)
     if block is None:
         a, a_scale = x, x  # no activation scales: ``x`` stands in for the unused pointer

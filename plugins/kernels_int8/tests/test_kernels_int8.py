@@ -2,12 +2,14 @@
 
 - CPU: quantization round trips, the reference ops against the full-precision ops on the
   dequantized weights, the custom ops' fake path under ``torch.compile(fullgraph=True)``, the
-  plugin's registrations; under the Triton interpreter (``test_triton_interpreter`` reruns
-  the ``interpreted`` tests in a subprocess with ``TRITON_INTERPRET=1``) at tiny shapes: the
-  8-bit GEMV, the W8A16 GEMM, the fp8 activation quantization, the fp8 block GEMM and both
-  8-bit fused MoEs.
-- CUDA (skipped without a GPU): the ops at Qwen3.5-35B-A3B shapes in bf16, and a compiled
-  fullgraph call.
+  plugin's registrations, the GEMV's launch rule, the int8 -> fp32 arithmetic of its
+  dequantization, and (with Triton, no GPU) its inline-PTX variant compiled for sm_90; under
+  the Triton interpreter (``test_triton_interpreter`` reruns the ``interpreted`` tests in a
+  subprocess with ``TRITON_INTERPRET=1``) at tiny shapes: the 8-bit GEMV (through the ops and
+  at explicit launch configs), the W8A16 GEMM, the fp8 activation quantization, the fp8 block
+  GEMM, both 8-bit fused MoEs on the sorted path and on the slot path.
+- CUDA (skipped without a GPU): the ops at Qwen3.5-35B-A3B shapes in bf16 (the GEMV with
+  both int8 conversions), and a compiled fullgraph call.
 
 The interpreter's fp32 -> e4m3 cast rounds a mantissa of 0b111 up without carrying into the
 exponent (it gives half the value), so interpreted checks of the activation quantization
@@ -26,7 +28,8 @@ from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by
                                   interpreted, interpreter_driver, run_interpreted_tests)
 from qllm.ops import moe  # noqa: E402
 from qllm.plugins.registry import PluginRegistry  # noqa: E402
-from qllm_kernels_int8 import ops, plugin, quant  # noqa: E402
+from qllm_kernels_int8 import gemv_configs, ops, plugin, quant  # noqa: E402
+from qllm_kernels_linear.configs import GemvConfig  # noqa: E402
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig  # noqa: E402
 from qllm_kernels_moe.testing import moe_inputs  # noqa: E402
 
@@ -150,6 +153,91 @@ def test_plugin_registration():
     assert {cpu_names[op] for op in ops_} == {"torch"}
 
 
+# Qwen3.5-35B-A3B's dense projections (hidden 2048), name -> weight [N, K]
+DENSE_SHAPES = {"out_proj": (2048, 4096), "moe_input": (264, 2048),
+                "gdn_in_proj": (12352, 2048), "qkv_proj": (9216, 2048)}
+
+
+def check_rule(config: GemvConfig, rows: int, n: int, k: int, rows_per_column: int = 1):
+    """A rule's config is a candidate of the sweep, keeps ``x`` and the weights in one layout
+    (``BLOCK_K`` a multiple of a warp span per warp, one loop step over these K) and fills
+    the GPU."""
+    assert config in gemv_configs.candidates(rows, n, k, rows_per_column)
+    assert config.BLOCK_K % (gemv_configs.WARP_COLUMNS * config.num_warps) == 0
+    assert config.BLOCK_K >= k
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("shape", DENSE_SHAPES.values(), ids=DENSE_SHAPES.keys())
+def test_gemv_rule(shape, rows):
+    n, k = shape
+    config = gemv_configs.default_config(rows, n, k)
+    check_rule(config, rows, n, k)
+    assert -(-n // config.BLOCK_N) >= gemv_configs.MIN_PROGRAMS
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_slot_moe_rule(tokens):
+    """Qwen3.5-35B-A3B's experts, 8 routed slots and the shared expert's per token."""
+    slots = 9 * tokens
+    config = gemv_configs.slot_moe_config(slots, 512, 2048)
+    assert config.BLOCK_M == 1
+    for gemm, (n, k, rows_per_column) in ((config.up, (512, 2048, 2)),
+                                         (config.down, (2048, 512, 1))):
+        check_rule(GemvConfig(gemm.BLOCK_N, gemm.BLOCK_K, gemm.num_warps, gemm.num_stages),
+                   1, n, k, rows_per_column)
+        assert slots * -(-n // gemm.BLOCK_N) >= gemv_configs.MIN_PROGRAMS
+
+
+def test_int8_magic_conversion_is_exact():
+    """Both int8 -> fp32 paths of the GEMV give every int8 value exactly: the interpreter's
+    ``bits(q + 0x4B000080) - (2^23 + 128)`` and the PTX's ``prmt`` of ``q ^ 0x80`` into the
+    low byte of ``0x4B000000`` (2^23), minus the same."""
+    q = torch.arange(-128, 128, dtype=torch.int32)
+    generic = (q + 0x4B000080).view(torch.float32) - 8388736.0
+    ptx = (((q ^ 0x80) & 0xFF) | 0x4B000000).view(torch.float32) - 8388736.0
+    assert torch.equal(generic, q.float()) and torch.equal(ptx, q.float())
+
+
+# (kernel, signature, constexprs, options) of each kernel with the inline-PTX int8 conversion
+def _fast_int8_launches():
+    from qllm_kernels_int8 import triton_gemv, triton_slot_moe
+
+    common = dict(SCALE_BLOCK_K=0, FAST_INT8=True, BLOCK_K=2048, NUM_STAGES=1)
+    weights = dict(w_ptr="*i8", shared_w_ptr="*i8", scale_ptr="*fp32",
+                   shared_scale_ptr="*fp32", ids_ptr="*i64")
+    return [
+        (triton_gemv._gemv_kernel,
+         dict(x_ptr="*bf16", w_ptr="*i8", scale_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16"),
+         dict(common, HAS_BIAS=True, BLOCK_M=1, BLOCK_N=8), 4),
+        (triton_slot_moe._slot_gate_up_kernel, dict(weights, x_ptr="*bf16", hidden_ptr="*bf16"),
+         dict(common, TOP_K=9, BLOCK_N=4), 4),
+        (triton_slot_moe._slot_down_kernel,
+         dict(weights, hidden_ptr="*bf16", routing_weights_ptr="*bf16", out_ptr="*bf16"),
+         dict(common, BLOCK_K=512, BLOCK_N=8), 1),
+    ]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_fast_int8_kernels_compile_for_sm90():
+    """The interpreter cannot run inline PTX, so the interpreted tests run the elementwise
+    int8 conversion: the PTX variants must at least compile for the GPU, and convert with
+    ``prmt`` (no ``I2F``: no int -> float ``cvt``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for kernel, pointers, constexprs, warps in _fast_int8_launches():
+        signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32")
+                     for name in kernel.arg_names}
+        compiled = triton.compile(
+            ASTSource(kernel, signature, {(kernel.arg_names.index(name),): value
+                                          for name, value in constexprs.items()}),
+            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        ptx = compiled.asm["ptx"]
+        assert "prmt.b32" in ptx and "cvt.rn.f32.s" not in ptx, kernel.__name__
+
+
 # ----------------------------------------------------------------------------- interpreter
 
 
@@ -183,6 +271,32 @@ def test_interpreted_gemv(shape, dtype):
     qf, sf = quant.quantize_fp8_blocks(w, BLOCK)
     _close(ops.linear_fp8_block(x, qf, sf, None, *BLOCK),
            quant.linear_fp8_block(x.float(), qf, sf, None, *BLOCK), dtype)
+
+
+# (m, n, k, config): several K steps with a partial last one, rows past N, 2-4 input rows
+GEMV_CONFIGS = {"m1-n40-k1000-bk256": (1, 40, 1000, GemvConfig(8, 256, 1, 1)),
+                "m2-n33-k200-bk64": (2, 33, 200, GemvConfig(4, 64, 1, 2)),
+                "m4-n20-k96-bk16": (4, 20, 96, GemvConfig(2, 16, 1, 1))}
+
+
+@interpreted
+@pytest.mark.parametrize("fp8_block", [None, (32, 32), (4, 16)], ids=["int8", "fp8-32x32",
+                                                                        "fp8-4x16"])
+@pytest.mark.parametrize("case", GEMV_CONFIGS.values(), ids=GEMV_CONFIGS.keys())
+def test_interpreted_gemv_configs(case, fp8_block):
+    """The GEMV at explicit launch configs against the references, with bias: fp8 scale
+    blocks wider and narrower than a loop step and than a program's rows."""
+    from qllm_kernels_int8.triton_gemv import gemv_8bit
+
+    m, n, k, config = case
+    x, w, b = _x(m, k, torch.float32), _weights(n, k), torch.randn(n)
+    if fp8_block is None:
+        q, scale = quant.quantize_int8_rows(w)
+        expected = quant.linear_w8a16(x, q, scale, b)
+    else:
+        q, scale = quant.quantize_fp8_blocks(w, fp8_block)
+        expected = quant.linear_fp8_block(x, q, scale, b, *fp8_block)
+    _close(gemv_8bit(x, q, scale, b, fp8_block, config), expected, torch.float32)
 
 
 # The interpreter's tl.dot reads bf16 as raw integers, so the GEMMs use fp16 and fp32.
@@ -265,10 +379,54 @@ def test_interpreted_moe_fp8(case, dtype):
     _close(out, ref, dtype)
 
 
+# name -> (tokens, experts, top_k, hidden, intermediate): the slot path's token counts
+SLOT_CASES = {"t1-e8-k2-h64-i32": (1, 8, 2, 64, 32), "t3-e6-k2-h96-i48": (3, 6, 2, 96, 48)}
+SLOT_CONFIG = MoeConfig(1, GemmConfig(4, 32, num_warps=1, num_stages=1),
+                        GemmConfig(8, 16, num_warps=1, num_stages=1))
+
+
+@interpreted
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", SLOT_CASES.values(), ids=SLOT_CASES.keys())
+def test_interpreted_moe_slot_path(case, dtype, fmt):
+    """The 8-bit slot path (no ``tl.dot``: bf16 runs in the interpreter) at an explicit config
+    with several K steps and through the op (the rule's config), against the weight-only
+    references: every token's slots, the shared expert's included."""
+    from qllm_kernels_int8.triton_moe import fused_moe_8bit, moe_config
+
+    tokens, experts, top_k, hidden, inter = case
+    inputs = moe_inputs(tokens, experts, hidden, inter, top_k, dtype)
+    if fmt == "int8":
+        args, block, reference, op = (_int8_moe_args(inputs), None, quant.fused_moe_w8a16,
+                                      ops.fused_moe_w8a16)
+    else:
+        args, block, reference, op = (_fp8_moe_args(inputs), BLOCK, quant.fused_moe_fp8_block,
+                                      ops.fused_moe_fp8_block)
+    assert moe_config(tokens, experts, 2 * inter, hidden, top_k + 1).BLOCK_M == 1
+    ref = reference(args[0].float(), *args[1:5], args[5].float(), *args[6:])
+    out = fused_moe_8bit(args[0], args[1:3], args[3:5], args[5], args[6], args[7:9],
+                         args[9:11], block=block, config=SLOT_CONFIG)
+    _close(out, ref, dtype)
+    _close(op(*args), ref, dtype)
+
+
 # ----------------------------------------------------------------------------- CUDA
 
-DENSE_SHAPES = {"out_proj": (2048, 4096), "moe_input": (264, 2048),
-                "gdn_in_proj": (12352, 2048), "qkv_proj": (9216, 2048)}
+
+@cuda
+@pytest.mark.parametrize("fast_int8", [True, False], ids=["ptx", "elementwise"])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("shape", DENSE_SHAPES.values(), ids=DENSE_SHAPES.keys())
+def test_gemv_parity(shape, rows, fast_int8):
+    """The int8 GEMV with either int8 conversion, and an odd K (rows not 8-byte aligned)."""
+    from qllm_kernels_int8.triton_gemv import gemv_8bit
+
+    for n, k in (shape, (shape[0], shape[1] - 3)):
+        x, w = _x(rows, k, torch.bfloat16, "cuda"), _weights(n, k).cuda()
+        q, scale = quant.quantize_int8_rows(w)
+        _close(gemv_8bit(x, q, scale, None, fast_int8=fast_int8),
+               quant.linear_w8a16(x, q, scale, None), torch.bfloat16)
 
 
 @cuda
@@ -293,8 +451,11 @@ def test_group_quant_cuda():
 
 
 @cuda
-@pytest.mark.parametrize("tokens", [1, 7, 200, 2048], ids=lambda n: f"t{n}")
+@pytest.mark.parametrize("tokens", [1, 4, 7, 200, 2048], ids=lambda n: f"t{n}")
 def test_moe_parity_35b_shape(tokens):
+    """Both formats; fp8 is weight-only on the slot path (1 and 4 tokens), W8A8 beyond."""
+    from qllm_kernels_int8.triton_moe import moe_config
+
     inputs = moe_inputs(tokens, 256, 2048, 512, 8, device="cuda")
     args = _int8_moe_args(inputs)
     _close(ops.fused_moe_w8a16(*args),
@@ -302,8 +463,12 @@ def test_moe_parity_35b_shape(tokens):
            torch.bfloat16)
     if tokens <= 200:  # the slot-by-slot W8A8 reference is slow
         args = _fp8_moe_args(inputs, (128, 128))
-        _close(ops.fused_moe_fp8_block(*args), quant.fused_moe_fp8_w8a8_reference(*args),
-               torch.bfloat16)
+        if moe_config(tokens, 256, 1024, 2048, 9).BLOCK_M == 1:
+            expected = quant.fused_moe_fp8_block(args[0].float(), *args[1:5],
+                                                 args[5].float(), *args[6:])
+        else:
+            expected = quant.fused_moe_fp8_w8a8_reference(*args)
+        _close(ops.fused_moe_fp8_block(*args), expected, torch.bfloat16)
 
 
 @cuda
