@@ -16,6 +16,10 @@
 #   per shape and row count; bench-linear-1: at W3's one row only);
 #   bench-linear-200: those shapes at W2's 200 rows, cuBLAS against Inductor's max-autotune
 #   GEMM (whether a Triton GEMM can beat cuBLAS there);
+#   bench-int8: the 8-bit kernels against bf16 at those shapes (1 and 200 rows) and the MoE
+#   (1 and 4 tokens), JSON lines, then decode_step lines (W3's dense + MoE time per format);
+#   bench-int8-sweep: the 8-bit GEMV's launch-config sweep at one row (best per shape);
+#   bench-int8-sweep-moe: the same for the MoE slot path's two GEMMs at 1 and 4 tokens;
 #   w1, w2, w3: throughput.py, then a decode-step profile
 #   on the same engine (W1 batch 256 x 1,100, W2 200 x 2,000, W3 1 x 512; files in $OUT);
 #   w3-cublas: W3 with the projections on cuBLAS (the linear op pinned to torch), the GEMV's
@@ -112,6 +116,13 @@ for stage in "$@"; do
         bench-linear-200) TAIL=${TAIL:-14} run bench_linear_200 300 python3 \
                               plugins/kernels_linear/benchmarks/bench_linear.py --rows 200 \
                               --inductor ;;
+        bench-int8) TAIL=${TAIL:-12} run bench_int8 300 python3 \
+                        plugins/kernels_int8/benchmarks/bench_int8.py ;;
+        bench-int8-sweep) TAIL=${TAIL:-6} run bench_int8_sweep 480 python3 \
+                              plugins/kernels_int8/benchmarks/bench_int8.py --sweep --parts dense ;;
+        bench-int8-sweep-moe) TAIL=${TAIL:-6} run bench_int8_sweep_moe 420 python3 \
+                                  plugins/kernels_int8/benchmarks/bench_int8.py --sweep \
+                                  --parts moe --moe-tokens 1 4 ;;
         w1) run w1 300 python3 benchmarks/throughput.py --workload w1 \
                 --profile-decode 256 1100 --profile-out "$out" ;;
         w1-peer) run w1_peer 200 python3 benchmarks/throughput.py --workload w1 \
