@@ -82,7 +82,8 @@ for stage in "$@"; do
                        plugins/qwen3_5/tests/test_gpu_qwen3_5.py \
                        plugins/qwen3/tests/test_gpu_qwen3.py ;;
         prefill-graph-tests) run prefill_graph_tests 300 python3 -m pytest $PYTEST_GPU \
-                                 -k "prefill_graph" plugins/qwen3_5/tests/test_gpu_qwen3_5.py ;;
+                                 -k "prefill" plugins/qwen3_5/tests/test_gpu_qwen3_5.py \
+                                 plugins/qwen3/tests/test_gpu_qwen3.py ;;
         kernel-tests) run kernel_tests 300 python3 -m pytest $PYTEST_GPU \
                           plugins/kernels_moe/tests/test_kernels_moe.py \
                           plugins/kernels_gdn/tests/test_kernels_gdn.py ;;

@@ -21,16 +21,34 @@ from tqdm.auto import tqdm
 from qllm.batch import ForwardBatch
 
 
+class HostSyncError(RuntimeError):
+    """A step to capture waits on the device from the host (reads a device value), which a
+    CUDA graph cannot hold."""
+
+
 class CudaGraphCapture:
-    """Captures a callable as a CUDA graph (after one warm-up run outside the graph); all
-    graphs share one memory pool. Returns ``(graph, output)``; ``graph.replay()`` reruns it."""
+    """Captures a callable as a CUDA graph (after a warm-up run outside the graph, then a
+    run that fails on any host sync, ``HostSyncError``, before a capture could begin); all
+    graphs share one memory pool. Returns ``(graph, output)``; ``graph.replay()`` reruns
+    it."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
 
     def __call__(self, fn):
-        fn()  # warm-up outside the graph (compiles this shape if needed)
+        fn()  # warm-up outside the graph (compiles and tunes this shape if needed)
+        torch.cuda.synchronize(self.device)
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fn()
+        except RuntimeError as exc:
+            if "synchronizing" not in str(exc):
+                raise
+            raise HostSyncError(str(exc)) from exc
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):

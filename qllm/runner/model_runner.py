@@ -17,7 +17,7 @@ from qllm.layers.penalties import LogitsAdjustments, apply_penalties
 from qllm.layers.sampler import SamplingTensors, sample
 from qllm.model.causal_lm import CausalLM
 from qllm.model.multimodal import encoder_rows, rotary_positions
-from qllm.runner.cuda_graphs import CudaGraphCapture, GraphShape, StepGraphs
+from qllm.runner.cuda_graphs import CudaGraphCapture, GraphShape, HostSyncError, StepGraphs
 from qllm.runner.staging import stage
 
 logger = logging.getLogger(__name__)
@@ -456,8 +456,12 @@ class ModelRunner:
             capture = CudaGraphCapture(self.device)
             with torch.inference_mode():
                 self.graphs = self.capture_graphs(False, self.decode_graph_sizes(), capture)
-                self.prefill_graphs = self.capture_graphs(True, self.prefill_graph_sizes(),
-                                                          capture)
+                try:
+                    self.prefill_graphs = self.capture_graphs(
+                        True, self.prefill_graph_sizes(), capture)
+                except HostSyncError as exc:  # e.g. a plain-torch reference kernel
+                    logger.warning("prefill runs eagerly, without CUDA graphs: a prefill "
+                                   "kernel reads device values on the host (%s)", exc)
             torch.cuda.synchronize(self.device)
         self.startup_compile_seconds = time.perf_counter() - start
         logger.info("decode compiled%s%s in %.1f s",

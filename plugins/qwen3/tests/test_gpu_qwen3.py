@@ -1,4 +1,5 @@
-"""Qwen3 on CUDA in bf16: parity with transformers, and compiled decode equal to eager."""
+"""Qwen3 on CUDA in bf16: parity with transformers, and compiled decode and prefill-graph
+prefill equal to eager."""
 
 from __future__ import annotations
 
@@ -85,3 +86,20 @@ def test_compiled_decode_equals_eager(checkpoint, dtype):
         assert_same_tokens(got, expected)
     else:  # bf16: the compiled layers fuse and round differently, so near-ties may flip
         assert_greedy_equal_up_to_ties(eager, prompts, got, expected)
+
+
+def test_bf16_prefill_graphs_equal_eager(checkpoint):
+    """One request at a time (max_num_seqs=1), each prompt's prefill replays the CUDA graph
+    of its token bucket (16 and 512 fill one; 700 runs eagerly in steps of at most 512
+    tokens, its last one a graph): greedy tokens equal eager up to near-ties."""
+    path, _ = checkpoint
+    prompts = random_prompts([5, 16, 100, 512, 700], vocab_size=VOCAB)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine = dict(dtype="bfloat16", device="cuda", max_num_seqs=1, max_num_batched_tokens=512,
+                  kv_cache_memory_bytes=1 << 30)
+    eager = LLM(path, enforce_eager=True, **engine)
+    expected = eager.generate(prompts, params, use_tqdm=False)
+    compiled = LLM(path, **engine)
+    assert compiled.engine.runner.prefill_graphs.sizes == [16, 32, 64, 128, 256, 512]
+    got = compiled.generate(prompts, params, use_tqdm=False)
+    assert_greedy_equal_up_to_ties(eager, prompts, got, expected)
