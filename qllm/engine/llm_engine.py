@@ -67,7 +67,8 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_positions}")
         self.config = config
-        self.kernels = self.plugins.kernels(self.device, config.dtype, config.kernels)
+        with self.startup.phase("kernels"):
+            self.kernels = self.plugins.kernels(self.device, config.dtype, config.kernels)
         self.executor = None  # the workers of a tensor-parallel engine (qllm.distributed)
         if config.tensor_parallel_size > 1:  # this process is rank 0; the ranks start here
             from qllm.engine.tensor_parallel.executor import start_engine_shards
@@ -78,15 +79,17 @@ class LLMEngine:
             with self.startup.phase("load"):
                 self.model = build_model(config, hf_config, self.plugins, self.kernels,
                                          self.device)
-            self.cache = CacheRegistry(self.model, self.plugins.layer_kinds,
-                                       self.plugins.cache_kinds, config, self.device)
+            with self.startup.phase("cache"):
+                self.cache = CacheRegistry(self.model, self.plugins.layer_kinds,
+                                           self.plugins.cache_kinds, config, self.device)
             with self.startup.phase("graph_capture"):  # and the compile set-up
                 self.runner = ModelRunner(self.model, config, self.cache, self.device,
                                           self.vocab_size)
         self.scheduler = Scheduler(config, self.cache)
-        self.tokenizer = load_tokenizer(config.model)
-        # a multimodal model's media prompts (qllm.model.multimodal); None for a text-only model
-        self.input_processor = self.model.input_processor(config.model, self.tokenizer)
+        with self.startup.phase("tokenizer"):
+            self.tokenizer = load_tokenizer(config.model)
+            # a multimodal model's media prompts (qllm.model.multimodal); None for text only
+            self.input_processor = self.model.input_processor(config.model, self.tokenizer)
         self.eos_token_ids = eos_token_ids(config.model, text_config, self.tokenizer)
         self.sequences: dict[str, Sequence] = {}
         self._in_flight: SampledStep | None = None  # launched, tokens not yet appended
