@@ -34,6 +34,10 @@ BLOCK_VECTOR = tl.constexpr(128)
 CHUNK_VECTOR = tl.constexpr(64)
 # Vectors at least one element per thread: tl.histogram has miscounted with replicated layouts.
 MIN_VECTOR = 32 * NUM_WARPS
+# The slot and block counts follow the step's token count. Triton would compile a variant per
+# divisibility class of each (by 16 or not), and a step of a class the start-up warm-up missed
+# would compile in the middle of serving; they bound masks and loops only, so one variant serves.
+SIZE_ARGUMENTS = ["num_slots", "padded_blocks"]
 
 
 @triton.jit
@@ -74,7 +78,7 @@ def _write_run(slots_ptr, block_experts_ptr, num_blocks_ptr, ids, position, rank
                          mask=block < padded_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SIZE_ARGUMENTS)
 def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, num_blocks_ptr, num_slots,
                   num_experts, padded_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
                   S_PAD: tl.constexpr):
@@ -88,7 +92,7 @@ def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, num_blocks_ptr, num_slo
                BLOCK_M, E_PAD)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SIZE_ARGUMENTS[:1])
 def _chunk_counts_kernel(ids_ptr, chunk_counts_ptr, totals_ptr, num_slots,
                          E_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """Chunk ``c``'s count per expert into ``chunk_counts[c]``, added to ``totals``."""
@@ -101,7 +105,7 @@ def _chunk_counts_kernel(ids_ptr, chunk_counts_ptr, totals_ptr, num_slots,
     tl.atomic_add(totals_ptr + experts, counts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SIZE_ARGUMENTS)
 def _align_chunk_kernel(ids_ptr, chunk_counts_ptr, totals_ptr, slots_ptr, block_experts_ptr,
                         num_blocks_ptr, num_slots, num_experts, padded_blocks,
                         BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
