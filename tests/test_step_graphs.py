@@ -10,7 +10,7 @@ import torch
 from qllm import LLM, SamplingParams
 from qllm.batch import ScheduledBatch
 from qllm.runner.cuda_graphs import GraphShape
-from qllm.testing import (assert_cache_free, random_prompts, with_decode_graphs,
+from qllm.testing import (assert_cache_free, random_prompts, record_replays, with_decode_graphs,
                           with_prefill_graphs)
 
 
@@ -49,18 +49,6 @@ def test_replay_refuses_inputs_staged_for_another_layout(qwen3_dir):
             runner.graphs.replay(input_ids, positions, batch)
 
 
-def count_replays(graphs) -> list[int]:
-    """Wrap ``graphs.replay`` to record the bucket of each replay; returns the record."""
-    replayed, replay = [], graphs.replay
-
-    def counted(input_ids, positions, batch):
-        replayed.append(input_ids.shape[0])
-        return replay(input_ids, positions, batch)
-
-    graphs.replay = counted
-    return replayed
-
-
 @pytest.mark.parametrize("prefix_state_cache_slots", [0, 4])
 def test_prefill_graph_replay_equals_eager(checkpoint, prefix_state_cache_slots):
     """One sequence at a time (max_num_seqs=1), each prompt's last prefill step replays the
@@ -77,7 +65,7 @@ def test_prefill_graph_replay_equals_eager(checkpoint, prefix_state_cache_slots)
                     prefix_state_cache_slots=prefix_state_cache_slots)
     expected = LLM(checkpoint, **settings).generate(prompts, params, use_tqdm=False)
     llm = with_prefill_graphs(LLM(checkpoint, **settings), [16, 32])
-    replayed = count_replays(llm.engine.runner.prefill_graphs)
+    replayed = record_replays(llm.engine.runner.prefill_graphs)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [g["token_ids"] for g in got] == [e["token_ids"] for e in expected]
     assert len(replayed) >= 5 and set(replayed) <= {16, 32}, replayed

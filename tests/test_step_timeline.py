@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from qllm import LLM, SamplingParams
-from qllm.testing import random_prompts
+from qllm.testing import random_prompts, record_launches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from throughput import StepTimeline  # noqa: E402
@@ -17,14 +17,7 @@ from throughput import StepTimeline  # noqa: E402
 def test_prefill_steps_report_their_sequences_and_tokens(qwen3_dir, monkeypatch):
     llm = LLM(qwen3_dir, block_size=16, max_model_len=256, max_num_batched_tokens=64)
     engine = llm.engine
-    launched = []
-    launch = engine.runner.launch
-
-    def recording_launch(batch, previous=None, **options):
-        launched.append((batch.is_prefill, len(batch.seqs), sum(batch.num_tokens)))
-        return launch(batch, previous, **options)
-
-    monkeypatch.setattr(engine.runner, "launch", recording_launch)
+    launched = record_launches(engine, monkeypatch)
     timeline = StepTimeline(engine)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     llm.generate(random_prompts([100, 20, 30]), params, use_tqdm=False)

@@ -17,7 +17,8 @@ from qllm.config import EngineConfig
 from qllm.engine.llm_engine import warm_up_prefill_sizes
 from qllm.engine.scheduler import Scheduler
 from qllm.plugins.registry import default_registry
-from qllm.testing import assert_cache_free, random_prompts, with_prefill_graphs
+from qllm.testing import (assert_cache_free, random_prompts, record_launches, record_replays,
+                          with_prefill_graphs)
 
 
 class CacheLayer(torch.nn.Module):
@@ -110,18 +111,11 @@ def test_warm_up_runs_full_prefill_then_ladder_and_leaves_nothing_behind(qwen3_d
 
     llm = LLM(qwen3_dir, **engine_options)
     engine = llm.engine
-    launched = []
-    launch = engine.runner.launch
-
-    def recording_launch(batch, previous=None, **options):
-        launched.append((batch.is_prefill, sum(batch.num_tokens), len(batch.seqs)))
-        return launch(batch, previous, **options)
-
-    monkeypatch.setattr(engine.runner, "launch", recording_launch)
+    launched = record_launches(engine, monkeypatch)
     engine.warm_up()
-    assert launched[0][:2] == (True, 512), "the first warm-up step should be a full prefill"
+    assert launched[0][::2] == (True, 512), "the first warm-up step should be a full prefill"
     assert any(not is_prefill for is_prefill, _, _ in launched), "and a decode step should run"
-    prefills = [(n, seqs) for is_prefill, n, seqs in launched if is_prefill]
+    prefills = [(n, seqs) for is_prefill, seqs, n in launched if is_prefill]
     assert [n for n, _ in prefills] == [512, 1, 17, 16, 32, 47, 64, 95, 128, 191, 256, 383,
                                         256], \
         "then the odd sizes, the powers of two and odd sizes between, the one-token prompts"
@@ -139,13 +133,7 @@ def test_warm_up_runs_prefill_eagerly_where_prefill_graphs_would_replay(qwen3_di
     llm = with_prefill_graphs(LLM(qwen3_dir, block_size=16, max_model_len=256,
                                   max_num_batched_tokens=64), [16, 32])
     graphs = llm.engine.runner.prefill_graphs
-    replayed, replay = [], graphs.replay
-
-    def counted(input_ids, positions, batch):
-        replayed.append(input_ids.shape[0])
-        return replay(input_ids, positions, batch)
-
-    graphs.replay = counted
+    replayed = record_replays(graphs)
     llm.engine.warm_up()
     assert not replayed, "a warm-up prefill step replayed a graph"
     assert llm.engine.runner.prefill_graphs is graphs

@@ -52,6 +52,19 @@ def last_token_logits(llm, prompt: list[int]) -> torch.Tensor:
         return engine.runner.step_logits(scheduled)[0].float()
 
 
+def record_launches(engine, monkeypatch) -> list[tuple[bool, int, int]]:
+    """Record ``(is_prefill, sequences, tokens)`` of every batch ``engine``'s runner launches
+    from now on (``monkeypatch``: pytest's fixture, which undoes it); returns the record."""
+    launched, launch = [], engine.runner.launch
+
+    def recording_launch(batch, previous=None, **options):
+        launched.append((batch.is_prefill, len(batch.seqs), sum(batch.num_tokens)))
+        return launch(batch, previous, **options)
+
+    monkeypatch.setattr(engine.runner, "launch", recording_launch)
+    return launched
+
+
 def assert_same_tokens(got: list[dict], expected: list[dict]) -> None:
     """Every output's token ids equal the expected ones; the message says where each of the
     differing outputs first diverges."""
@@ -102,6 +115,19 @@ def rerun_capture(fn):
     each replay."""
     output = fn()
     return RerunGraph(fn, output), output
+
+
+def record_replays(graphs) -> list[int]:
+    """Record the bucket of every replay of ``graphs`` (a ``StepGraphs``) from now on;
+    returns the record."""
+    replayed, replay = [], graphs.replay
+
+    def recording_replay(input_ids, positions, batch):
+        replayed.append(input_ids.shape[0])
+        return replay(input_ids, positions, batch)
+
+    graphs.replay = recording_replay
+    return replayed
 
 
 def with_decode_graphs(llm, sizes: list[int]):
