@@ -56,9 +56,14 @@ class CacheRegistry:
         if budget <= 0 and sized:
             raise CacheTooSmallError(f"no memory left for {sized} after "
                                      f"{fixed_bytes / 2**30:.2f} GiB of fixed-size caches")
+        # the CPU's default budget is a ceiling, not a size: a small model takes what it uses
+        cpu_default = device.type != "cuda" and config.kv_cache_memory_bytes is None
         for name in sized:  # split what is left evenly between budget-sized kinds
             per_unit = specs[name].bytes_per_unit(by_kind[name], config)
             units = config.num_kv_blocks or budget // len(sized) // per_unit
+            in_use = specs[name].units_in_use_at_most(config)
+            if cpu_default and not config.num_kv_blocks and in_use is not None:
+                units = min(units, in_use)
             fixed[name] = int(units)
         if agree is not None:
             fixed = agree(fixed)

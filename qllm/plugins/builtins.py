@@ -17,7 +17,9 @@ def qllm_cache_kinds():
             factory=lambda layers, units, config, device: PagedKVPool(
                 layers, units, device, config.block_size, config.enable_prefix_caching),
             bytes_per_unit=lambda layers, config: bytes_per_block(layers, config.block_size),
-            fixed_units=lambda config: None),
+            fixed_units=lambda config: None,
+            units_in_use_at_most=lambda config:
+                config.max_num_seqs * -(-config.max_model_len // config.block_size)),
         CacheKindSpec(
             name="recurrent_slot",
             factory=lambda layers, units, config, device: RecurrentSlotPool(

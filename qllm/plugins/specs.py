@@ -42,6 +42,9 @@ class CacheKindSpec:
     the leftover memory budget (recurrent slots: one per running sequence), else ``None``.
     ``reserved_bytes(layers, engine_config)`` is memory the pool allocates beyond its units
     (recurrent slots: the prefix-state checkpoints), taken from the budget first.
+    ``units_in_use_at_most(engine_config)`` is the most units the engine's sequences can hold
+    at once (``max_num_seqs`` of ``max_model_len`` tokens), or ``None`` if unknown: a pool
+    sized from the CPU's default budget (no memory asked for) gets no more.
     """
 
     name: str
@@ -49,6 +52,7 @@ class CacheKindSpec:
     bytes_per_unit: Callable[..., int]
     fixed_units: Callable[..., int | None]
     reserved_bytes: Callable[..., int] = lambda layers, config: 0
+    units_in_use_at_most: Callable[..., int | None] = lambda config: None
 
 
 @dataclass(frozen=True)
