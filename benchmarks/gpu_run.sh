@@ -41,6 +41,13 @@
 #   the prefill graph and then eagerly (profile_step.py --phase prefill);
 #   ncu-gdn: Nsight Compute counters of the GDN decode kernel at batch 200 (bf16 state in
 #   consecutive slots, as in W2; the sweep's first config, the default 16 x 1 warp);
+#   decode-modes-w1, decode-modes-w2, decode-modes-w3: decode_modes.py, today's decode
+#   (regional compile, the engine's CUDA graphs) against whole-model
+#   torch.compile(mode="reduce-overhead") on one engine (W1 256 x 1,100, W2 200 x 2,000,
+#   W3 1 x 512; W2 and W3 with the bf16 state), a run on an emptied compile cache
+#   (/tmp/qllm-decode-modes-wN) and then one on the cache it filled; decode-modes-wN-cold
+#   and -warm run one of the two alone, with a longer limit (W2's pair may not fit one call:
+#   run -warm in the next call, while the machine is still held, or it finds the cache cold);
 #   state-dtype: bf16 vs fp32 recurrent state at the real geometry; tune-moe: quick MoE
 #   block-size sweep for the token counts in $TUNE_TOKENS (default "1 256") over the BLOCK_M
 #   values in $TUNE_BLOCK_M (default all; 1 is the small-batch path) over the tile grid
@@ -197,6 +204,25 @@ for stage in "$@"; do
                      python3 plugins/kernels_gdn/benchmarks/bench_gdn.py --sweep-decode \
                      --batches 200 \
                      --ssm-dtype bfloat16 --slots consecutive ;;
+        decode-modes-w[123]|decode-modes-w[123]-cold|decode-modes-w[123]-warm)
+            workload=${stage:13:2} half=${stage:15} cache=/tmp/qllm-decode-modes-$workload
+            case $workload in
+                w1) shape="--batch 256 --context 1100" ;;
+                w2) shape="--batch 200 --context 2000 --recurrent-state-dtype bfloat16" ;;
+                w3) shape="--batch 1 --context 512 --recurrent-state-dtype bfloat16" ;;
+            esac
+            if [ -z "$half" ]; then cold=330 warm=230; else cold=560 warm=560; fi
+            if [ "$half" != "-warm" ]; then
+                rm -rf "$cache"
+                TAIL=${TAIL:-12} run "decode_modes_${workload}_cold" $cold env \
+                    QLLM_CACHE_DIR="$cache" TORCH_LOGS=cudagraphs \
+                    python3 benchmarks/decode_modes.py --workload $workload $shape
+            fi
+            if [ "$half" != "-cold" ]; then
+                TAIL=${TAIL:-12} run "decode_modes_${workload}_warm" $warm env \
+                    QLLM_CACHE_DIR="$cache" TORCH_LOGS=cudagraphs \
+                    python3 benchmarks/decode_modes.py --workload $workload $shape
+            fi ;;
         state-dtype) run state_dtype 200 python3 benchmarks/state_dtype_accuracy.py \
                          --device cuda --dtype bfloat16 --real-geometry-layers 4 ;;
         *) echo "unknown stage $stage" ;;

@@ -270,7 +270,9 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, batch)  # [T, H]
         return self.model.compute_logits(hidden[batch.logits_indices])  # [N, V]
 
-    def _decode_logits(self, input_ids, positions, batch) -> torch.Tensor:
+    def decode_logits(self, input_ids, positions, batch) -> torch.Tensor:
+        """A decode step's logits ``[B, V]``: the forward that a decode CUDA graph captures
+        (``benchmarks/decode_modes.py`` compiles it whole, against these graphs)."""
         hidden = self.model(input_ids, positions, batch)  # [B, H]
         return self.model.compute_logits(hidden)
 
@@ -491,7 +493,7 @@ class ModelRunner:
         if not sizes:
             return None
         dummy = ScheduledBatch([], [], is_prefill=is_prefill)
-        step = self._forward_logits if is_prefill else self._decode_logits
+        step = self._forward_logits if is_prefill else self.decode_logits
         return StepGraphs(
             step, lambda size: self.prepare(dummy, GraphShape(is_prefill, size), fixed_layout=True),
             sizes, capture, "prefill" if is_prefill else "decode")
