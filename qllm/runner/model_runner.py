@@ -440,9 +440,10 @@ class ModelRunner:
         symbolic batch size) and each prefill region (symbolic token count), then capture
         whole decode steps as CUDA graphs per bucket.
 
-        Regional compilation keeps start-up short: compiling the whole model as one
-        ``reduce-overhead`` graph took 200 s plus 69 s for the batch-1 specialisation at
-        Qwen3-0.6B geometry on the H200 (2026-11-29); here the compiler sees one layer.
+        Regional compilation keeps start-up short: the compiler sees one layer, where a whole
+        model compiled as one ``reduce-overhead`` graph took minutes before the compile cache
+        (``benchmarks/decode_modes.py`` measures the two against each other; figures in
+        ``benchmarks/results.jsonl``).
         """
         start = time.perf_counter()
         # Layer variants (attention kind, first layer, dense or MoE MLP, batch 1) each add a
