@@ -8,8 +8,11 @@ Dense (``qllm_kernels_linear.testing``'s projection shapes; by default the three
 attention ``qkv_proj`` ``[9216, 2048]``; the MoE ``input_proj`` ``[264, 2048]`` stays bf16 in
 the model) at ``--rows`` (1 and 200): ``cublas`` (``F.linear``, bf16), ``bf16_op``
 (kernels_linear's op: its GEMV where it serves, else cuBLAS), ``int8_op`` (``linear_w8a16``:
-the 8-bit GEMV up to 4 rows, the W8A16 GEMM up to 512), ``int8_gemv_elementwise`` (up to 4 rows:
-the GEMV with Triton's elementwise int8 conversion instead of the inline PTX), ``fp8_op``
+the 8-bit GEMV up to 4 rows, a W8A16 GEMM up to 512), ``int8_gemv_elementwise`` (up to 4 rows:
+the GEMV with Triton's elementwise int8 conversion instead of the inline PTX),
+``int8_shared_b`` and ``int8_swap_ab`` (5-512 rows: each W8A16 GEMM at its rule's config,
+whichever ``int8_op`` takes; ``triton_linear.w8a16_gemm`` converts the weights as the MMA's
+shared-memory operand, ``triton_w8a16`` as its register operand), ``fp8_op``
 (``linear_fp8_block``, 128 x 128 blocks). MoE (Qwen3.5-35B-A3B's experts, top-8 plus the shared
 expert) at ``--moe-tokens`` (1 and 4): ``bf16`` (kernels_moe), ``int8_op`` (the slot path at
 those counts), ``int8_sorted`` (the sorted path with kernels_moe's 8-token tiles: what the op
@@ -31,6 +34,7 @@ without a GPU.
 
     python plugins/kernels_int8/benchmarks/bench_int8.py [--rows 1 200] [--moe-tokens 1 4]
     python plugins/kernels_int8/benchmarks/bench_int8.py --sweep [--rows 1 2 4] [--parts dense]
+    python plugins/kernels_int8/benchmarks/bench_int8.py --sweep --rows 200 --parts dense
     python plugins/kernels_int8/benchmarks/bench_int8.py --dry-run [--sweep]
 """
 
@@ -46,7 +50,7 @@ import torch.nn.functional as F
 
 from qllm.ops.moe import fused_moe as torch_fused_moe
 from qllm.testing.benchmarking import print_table, time_ms
-from qllm_kernels_int8 import gemv_configs, ops, quant
+from qllm_kernels_int8 import gemm_configs, gemv_configs, ops, quant
 from qllm_kernels_linear import ops as linear_ops
 from qllm_kernels_linear.testing import QWEN3_5_35B_A3B_SHAPES, linear_inputs
 from qllm_kernels_moe.configs import get_config
@@ -100,17 +104,32 @@ class DenseCase:
         n, k = self.weight.shape
         return dict(shape=self.name, rows=self.rows, n=n, k=k)
 
+    @property
+    def gemv(self) -> bool:
+        """Whether the 8-bit GEMV serves these rows (else a W8A16 GEMM)."""
+        return self.rows <= gemv_configs.GEMV_MAX_ROWS
+
     def int8_gemv(self, **kwargs):
         from qllm_kernels_int8.triton_gemv import gemv_8bit
 
         return functools.partial(gemv_8bit, self.x, self.q, self.scale, None, **kwargs)
+
+    def swap_ab(self, **kwargs):
+        from qllm_kernels_int8.triton_w8a16 import w8a16_gemm_swap_ab
+
+        return functools.partial(w8a16_gemm_swap_ab, self.x, self.q, self.scale, None, **kwargs)
+
+    def shared_b(self):
+        from qllm_kernels_int8.triton_linear import w8a16_gemm
+
+        return functools.partial(w8a16_gemm, self.x, self.q, self.scale, None)
 
     def impls(self) -> list[tuple[str, object, int, torch.Tensor]]:
         """``(name, call, weight bytes, reference output)`` per implementation."""
         x, weight, q, scale = self.x, self.weight, self.q, self.scale
         bf16_ref = F.linear(x, weight)
         int8_ref = quant.linear_w8a16(x, q, scale, None)
-        fp8_ref = (quant.linear_fp8_block if self.rows <= gemv_configs.GEMV_MAX_ROWS
+        fp8_ref = (quant.linear_fp8_block if self.gemv
                    else quant.linear_fp8_w8a8_reference)(x, self.qf, self.scale_inv, None,
                                                          *FP8_BLOCK)
         found = [("cublas", functools.partial(F.linear, x, weight), nbytes(weight), bf16_ref),
@@ -118,9 +137,12 @@ class DenseCase:
                   nbytes(weight), bf16_ref),
                  ("int8_op", functools.partial(ops.linear_w8a16, x, q, scale, None),
                   nbytes(q, scale), int8_ref)]
-        if self.rows <= gemv_configs.GEMV_MAX_ROWS:
+        if self.gemv:
             found.append(("int8_gemv_elementwise", self.int8_gemv(fast_int8=False),
                           nbytes(q, scale), int8_ref))
+        else:
+            found += [("int8_shared_b", self.shared_b(), nbytes(q, scale), int8_ref),
+                      ("int8_swap_ab", self.swap_ab(), nbytes(q, scale), int8_ref)]
         found.append(("fp8_op", functools.partial(ops.linear_fp8_block, x, self.qf,
                                                   self.scale_inv, None, *FP8_BLOCK),
                       nbytes(self.qf, self.scale_inv), fp8_ref))
@@ -159,25 +181,43 @@ def sweep_report(timed, failed: int, rule, num_bytes: int, **fields) -> dict:
                      for ms, config in timed[:5]], tried=len(timed), failed=failed)
 
 
+def us(call) -> float:
+    """A call's sweep time, us."""
+    return round(1e3 * time_ms(call, graph=True, rep=SWEEP_REP_MS), 2)
+
+
+def dense_space(rows: int, n: int, k: int) -> tuple[list, object]:
+    """The sweep's candidates and the rule's config for ``rows`` rows through ``weight [n,
+    k]``: the GEMV's up to ``GEMV_MAX_ROWS`` rows, the swap-AB GEMM's beyond."""
+    if rows <= gemv_configs.GEMV_MAX_ROWS:
+        return gemv_configs.candidates(rows, n, k), gemv_configs.default_config(rows, n, k)
+    return gemm_configs.swap_ab_candidates(rows, n, k), gemm_configs.swap_ab_config(rows, n, k)
+
+
 def sweep_dense(name: str, rows: int) -> dict:
-    """Every GEMV candidate on one shape; the best also with the elementwise conversion."""
+    """Every GEMV candidate on one shape (rows <= 4; the best also with the elementwise
+    conversion), or every swap-AB GEMM candidate (the best also with Triton's int8 cast, and
+    the shared-B GEMM)."""
     from qllm_kernels_linear.triton_gemv import gemv as bf16_gemv
 
     case = DenseCase(name, rows)
     n, k = case.weight.shape
-    timed, failed = timed_configs(gemv_configs.candidates(rows, n, k),
-                                  lambda config: case.int8_gemv(config=config))
+    candidates, rule = dense_space(rows, n, k)
+    make_call = case.int8_gemv if case.gemv else case.swap_ab
+    timed, failed = timed_configs(candidates, lambda config: make_call(config=config))
     best = timed[0][1]
     ref = quant.linear_w8a16(case.x, case.q, case.scale, None)
-
-    def us(call) -> float:
-        return round(1e3 * time_ms(call, graph=True, rep=SWEEP_REP_MS), 2)
-
+    if case.gemv:
+        extra = dict(elementwise_us=us(case.int8_gemv(config=best, fast_int8=False)),
+                     bf16_gemv_us=us(functools.partial(bf16_gemv, case.x, case.weight)))
+    else:
+        extra = dict(cast_us=us(case.swap_ab(config=best, fast_int8=False)),
+                     shared_b_us=us(case.shared_b()),
+                     bf16_op_us=us(functools.partial(linear_ops.linear, case.x, case.weight,
+                                                     None)))
     return sweep_report(
-        timed, failed, gemv_configs.default_config(rows, n, k), nbytes(case.q, case.scale),
-        **case.fields, max_err=max_err(case.int8_gemv(config=best)(), ref),
-        elementwise_us=us(case.int8_gemv(config=best, fast_int8=False)),
-        bf16_gemv_us=us(functools.partial(bf16_gemv, case.x, case.weight)),
+        timed, failed, rule, nbytes(case.q, case.scale), **case.fields,
+        max_err=max_err(make_call(config=best)(), ref), **extra,
         cublas_us=us(functools.partial(F.linear, case.x, case.weight)))
 
 
@@ -290,8 +330,8 @@ def plan(args) -> list[dict]:
             n, k = QWEN3_5_35B_A3B_SHAPES[name]
             case = dict(shape=name, rows=rows, n=n, k=k)
             if args.sweep:
-                case.update(candidates=len(gemv_configs.candidates(rows, n, k)),
-                            rule=dataclasses.asdict(gemv_configs.default_config(rows, n, k)))
+                candidates, rule = dense_space(rows, n, k)
+                case.update(candidates=len(candidates), rule=dataclasses.asdict(rule))
             cases.append(case)
     for tokens in args.moe_tokens:
         case = dict(shape="moe", rows=tokens, slots=tokens * SLOTS_PER_TOKEN)
@@ -314,7 +354,8 @@ def main() -> None:
     parser.add_argument("--moe-tokens", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--parts", nargs="+", choices=["dense", "moe"], default=["dense", "moe"])
     parser.add_argument("--sweep", action="store_true",
-                        help="time every launch config of the 8-bit GEMV and slot MoE")
+                        help="time every launch config of the 8-bit GEMV (up to 4 rows), the "
+                             "swap-AB W8A16 GEMM (5-512 rows) and the slot MoE")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the cases as JSON lines; needs no GPU")
     args = parser.parse_args()
@@ -323,9 +364,8 @@ def main() -> None:
         args.rows = []
     if "moe" not in args.parts:
         args.moe_tokens = []
-    if args.sweep and max(args.rows, default=1) > gemv_configs.GEMV_MAX_ROWS:
-        parser.error(f"--sweep times the GEMV, which serves up to "
-                     f"{gemv_configs.GEMV_MAX_ROWS} rows")
+    if args.sweep and max(args.rows, default=1) > ops.GEMM_MAX_ROWS:
+        parser.error(f"--sweep times the W8A16 GEMM up to {ops.GEMM_MAX_ROWS} rows")
     if args.dry_run:
         for case in plan(args):
             print(json.dumps(case))

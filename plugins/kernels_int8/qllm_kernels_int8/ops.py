@@ -2,11 +2,13 @@
 to ``torch.compile`` (a fake gives each output's shape, so the decode graph stays whole).
 Inside an op the row count is concrete and picks the kernel:
 
-- ``linear_w8a16``: the GEMV (``triton_gemv``) up to ``GEMV_MAX_ROWS`` rows; the Triton
-  W8A16 GEMM up to ``GEMM_MAX_ROWS`` (decode batches: memory-bound, where reading 1 byte per
-  weight is the gain); beyond, the weight dequantized to ``x.dtype`` and ``F.linear`` (prefill:
-  compute-bound, the dequantized copy costs 3 bytes per weight against ``2 * M`` flops per
-  weight, and cuBLAS's tuned GEMMs beat an untuned Triton one). Not yet measured.
+- ``linear_w8a16``: the GEMV (``triton_gemv``) up to ``GEMV_MAX_ROWS`` rows; a Triton W8A16
+  GEMM up to ``GEMM_MAX_ROWS`` (decode batches, where reading 1 byte per weight is the gain),
+  the swap-AB one (``triton_w8a16``) or the shared-B one (``triton_linear.w8a16_gemm``) as
+  ``swap_ab_serves`` says (``INT8_GEMM``); beyond ``GEMM_MAX_ROWS``, the weight dequantized to
+  ``x.dtype`` and ``F.linear`` (prefill: compute-bound, the dequantized copy costs 3 bytes per
+  weight against ``2 * M`` flops per weight, and cuBLAS's tuned GEMMs beat an untuned Triton
+  one). Not yet measured.
 - ``linear_fp8_block``: the GEMV (weight-only) up to ``GEMV_MAX_ROWS`` rows; beyond, the
   activations quantized per token and group and the fp8 x fp8 block-scaled GEMM.
 - ``fused_moe_w8a16`` / ``fused_moe_fp8_block``: ``triton_moe``.
@@ -16,13 +18,33 @@ The kernels are imported on the first real call, so the ops and fakes exist with
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
+from qllm_kernels_int8 import gemm_configs
 from qllm_kernels_int8.gemv_configs import GEMV_MAX_ROWS
 from qllm_kernels_int8.quant import dequantize_int8_rows
 
 GEMM_MAX_ROWS = 512
+# Which W8A16 GEMM serves 5-512 rows: QLLM_INT8_GEMM = "auto" (default), "swap_ab" (every row
+# count) or "shared_b" (none). "auto" takes the swap-AB GEMM where its rule holds the rows in
+# one 256-row tile (129-256 rows, W2's 200): there, compiled for sm_90, it does at most the
+# shared-B GEMM's MMA flops and x bytes per SM, half its weight loads and conversions, 30%
+# fewer instructions per MMA flop, with the MMA asynchronous instead of serialized with the
+# loads and conversion (triton_w8a16, benchmarks/sass_w8a16.py). At 128-row tiles (65-128 and
+# 257-512 rows) it issues 25-40% more instructions per MMA flop, at 16-64 rows its tiles differ:
+# there only a measurement can choose.
+INT8_GEMM = os.environ.get("QLLM_INT8_GEMM", "auto")
+if INT8_GEMM not in ("auto", "swap_ab", "shared_b"):
+    raise ValueError(f"QLLM_INT8_GEMM={INT8_GEMM!r}: auto, swap_ab or shared_b")
+
+
+def swap_ab_serves(rows: int) -> bool:
+    """Whether the swap-AB GEMM (rather than the shared-B one) computes ``rows`` rows."""
+    return INT8_GEMM == "swap_ab" or (INT8_GEMM == "auto"
+                                      and gemm_configs.block_m(rows) == gemm_configs.MAX_BLOCK_M)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -34,7 +56,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def linear_w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
     """The contract of ``quant.linear_w8a16``."""
-    from qllm_kernels_int8 import triton_gemv, triton_linear
+    from qllm_kernels_int8 import triton_gemv, triton_linear, triton_w8a16
 
     x2 = _rows(x)
     rows = x2.shape[0]
@@ -42,6 +64,8 @@ def linear_w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         return F.linear(x, dequantize_int8_rows(weight, scale, x.dtype), bias)
     if rows <= GEMV_MAX_ROWS:
         out = triton_gemv.gemv_8bit(x2, weight, scale, bias)
+    elif swap_ab_serves(rows):
+        out = triton_w8a16.w8a16_gemm_swap_ab(x2, weight, scale, bias)
     else:
         out = triton_linear.w8a16_gemm(x2, weight, scale, bias)
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -15,14 +15,13 @@ fp32 ``[BLOCK_M, BLOCK_N, C]`` accumulator (one register per chunk a thread hold
 reduced over ``C`` once after the loop; so a program can keep twice the bf16 GEMV's weight
 elements in flight for the same registers.
 
-Dequantization. int8: ``q`` is exact in fp32 as ``bits(2^23 + 128 + q) - (2^23 + 128)``: the
-byte, biased by 128, as the low mantissa bits of 2^23. On CUDA this runs as inline PTX (4 weights
-per 32-bit register: an xor, then per weight a ``prmt`` and a subtraction), because Triton's
-int8 -> fp32 conversion (``I2F``) runs at a quarter of the FMA rate, 16 per clock per SM: about
-the HBM byte rate, so it would bound the kernel; the interpreter computes the same arithmetic
-elementwise. The row's scale multiplies each output once, in the epilogue. fp8 (e4m3,
-weight-only: ``x`` is not quantized): Triton's conversion, and each chunk's sum times the scale
-of its ``SCALE_BLOCK_K``-column block (8 divides the block).
+Dequantization. int8: ``int8_convert.int8_to_f32``, exact, ``bits(2^23 + 128 + q) - (2^23 +
+128)`` (inline PTX on CUDA: an xor per 4 weights, then a ``prmt`` and a subtraction per weight,
+because Triton's conversion, ``I2F``, would bound the kernel near the HBM byte rate); the
+interpreter computes the same arithmetic elementwise. The row's scale multiplies each output
+once, in the epilogue. fp8 (e4m3, weight-only: ``x`` is not quantized): Triton's conversion,
+and each chunk's sum times the scale of its ``SCALE_BLOCK_K``-column block (8 divides the
+block).
 
 Launch parameters: ``gemv_configs``. The launch depends on shapes only (no host sync).
 """
@@ -36,32 +35,9 @@ import triton.language as tl
 from qllm_kernels_linear.configs import GemvConfig, block_m
 
 from qllm_kernels_int8.gemv_configs import GEMV_MAX_ROWS, VECTOR, default_config
+from qllm_kernels_int8.int8_convert import int8_to_f32
 
 VECTOR_C = tl.constexpr(VECTOR)
-MAGIC = tl.constexpr(8388736.0)  # 2^23 + 128
-MAGIC_BITS = tl.constexpr(0x4B000080)  # its fp32 bits
-INT8_TO_F32_PTX = tl.constexpr("""{
-    .reg .b32 biased;
-    xor.b32 biased, $4, 0x80808080;
-    prmt.b32 $0, biased, 0x4B000000, 0x7540;
-    prmt.b32 $1, biased, 0x4B000000, 0x7541;
-    prmt.b32 $2, biased, 0x4B000000, 0x7542;
-    prmt.b32 $3, biased, 0x4B000000, 0x7543;
-    sub.f32 $0, $0, 0f4B000080;
-    sub.f32 $1, $1, 0f4B000080;
-    sub.f32 $2, $2, 0f4B000080;
-    sub.f32 $3, $3, 0f4B000080;
-}""")  # byte i of $4, xor 0x80 (+128), into the low byte of 0x4B000000 (2^23) -> $i
-
-
-@triton.jit
-def _int8_to_f32(q, FAST: tl.constexpr):
-    """``q`` (int8) as fp32, exactly: ``FAST``, the inline PTX (CUDA only); else the same
-    arithmetic elementwise."""
-    if FAST:
-        return tl.inline_asm_elementwise(INT8_TO_F32_PTX, "=r,=r,=r,=r,r", [q],
-                                         dtype=tl.float32, is_pure=True, pack=4)
-    return (q.to(tl.int32) + MAGIC_BITS).to(tl.float32, bitcast=True) - MAGIC
 
 
 @triton.jit
@@ -97,7 +73,7 @@ def weight_row_dots(x_ptr, stride_xm, M, w_rows, row_mask, scale_rows, K,
                                    other=0.0)                              # [1, BN, C]
             acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=3) * chunk_scales
         else:
-            acc += tl.sum(x.to(tl.float32) * _int8_to_f32(w, FAST_INT8), axis=3)
+            acc += tl.sum(x.to(tl.float32) * int8_to_f32(w, FAST_INT8), axis=3)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out = tl.sum(acc, axis=2)                                              # [BM, BN]

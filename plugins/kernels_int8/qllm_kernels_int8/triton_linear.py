@@ -78,15 +78,27 @@ def _gemm_8bit_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
              mask=row_mask[:, None] & col_mask[None, :])
 
 
-def _launch_gemm(a, a_scale, weight, w_scale, bias, out, fp8, group_k, scale_block_n, config):
+def gemm_8bit_args(a, a_scale, weight, w_scale, bias, out, fp8, group_k, scale_block_n,
+                   config) -> dict:
+    """``_gemm_8bit_kernel``'s arguments by name (``config``: ``gemm_config``'s tuple)."""
     (m, k), n = a.shape, weight.shape[0]
-    block_m, block_n, block_k, group_m, warps, stages = config
+    block_m, block_n, block_k, group_m, _, _ = config
+    return dict(a_ptr=a, a_scale_ptr=a_scale, w_ptr=weight, w_scale_ptr=w_scale, bias_ptr=bias,
+                out_ptr=out, M=m, N=n, K=k, stride_am=a.stride(0), stride_wn=weight.stride(0),
+                stride_asm=a_scale.stride(0) if fp8 else 0,
+                stride_wsn=w_scale.stride(0) if fp8 else 0, stride_om=out.stride(0),
+                scale_block_n=scale_block_n, FP8=fp8, GROUP_K=group_k,
+                HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                GROUP_M=group_m)
+
+
+def _launch_gemm(a, a_scale, weight, w_scale, bias, out, fp8, group_k, scale_block_n, config):
+    (m, _), n = a.shape, weight.shape[0]
+    block_m, block_n, _, _, warps, stages = config
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    _gemm_8bit_kernel[grid](
-        a, a_scale, weight, w_scale, bias, out, m, n, k, a.stride(0), weight.stride(0),
-        a_scale.stride(0) if fp8 else 0, w_scale.stride(0) if fp8 else 0, out.stride(0),
-        scale_block_n, FP8=fp8, GROUP_K=group_k, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=warps, num_stages=stages)
+    _gemm_8bit_kernel[grid](**gemm_8bit_args(a, a_scale, weight, w_scale, bias, out, fp8,
+                                             group_k, scale_block_n, config),
+                            num_warps=warps, num_stages=stages)
     return out
 
 

@@ -2,14 +2,17 @@
 
 - CPU: quantization round trips, the reference ops against the full-precision ops on the
   dequantized weights, the custom ops' fake path under ``torch.compile(fullgraph=True)``, the
-  plugin's registrations, the GEMV's launch rule, the int8 -> fp32 arithmetic of its
-  dequantization, and (with Triton, no GPU) its inline-PTX variant compiled for sm_90; under
-  the Triton interpreter (``test_triton_interpreter`` reruns the ``interpreted`` tests in a
+  plugin's registrations, the GEMV's and the swap-AB GEMM's launch rules, the arithmetic of
+  the int8 -> fp32 / bf16 / fp16 conversions, and (with Triton, no GPU) the inline-PTX
+  variants compiled for sm_90, the swap-AB GEMM's code at W2's 200 rows included; under the
+  Triton interpreter (``test_triton_interpreter`` reruns the ``interpreted`` tests in a
   subprocess with ``TRITON_INTERPRET=1``) at tiny shapes: the 8-bit GEMV (through the ops and
-  at explicit launch configs), the W8A16 GEMM, the fp8 activation quantization, the fp8 block
-  GEMM, both 8-bit fused MoEs on the sorted path and on the slot path.
+  at explicit launch configs), both W8A16 GEMMs (through the op, and the swap-AB one at
+  explicit configs, split-K included), the fp8 activation quantization, the fp8 block GEMM,
+  both 8-bit fused MoEs on the sorted path and on the slot path.
 - CUDA (skipped without a GPU): the ops at Qwen3.5-35B-A3B shapes in bf16 (the GEMV with
-  both int8 conversions), and a compiled fullgraph call.
+  both int8 conversions, the swap-AB GEMM with both, in bf16 and fp16), and a compiled
+  fullgraph call.
 
 The interpreter's fp32 -> e4m3 cast rounds a mantissa of 0b111 up without carrying into the
 exponent (it gives half the value), so interpreted checks of the activation quantization
@@ -17,6 +20,8 @@ allow exactly that; the fp8 GEMMs are checked there on activations quantized by 
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -28,7 +33,7 @@ from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by
                                   interpreted, interpreter_driver, run_interpreted_tests)
 from qllm.ops import moe  # noqa: E402
 from qllm.plugins.registry import PluginRegistry  # noqa: E402
-from qllm_kernels_int8 import gemv_configs, ops, plugin, quant  # noqa: E402
+from qllm_kernels_int8 import gemm_configs, gemv_configs, ops, plugin, quant  # noqa: E402
 from qllm_kernels_linear.configs import GemvConfig  # noqa: E402
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig  # noqa: E402
 from qllm_kernels_moe.testing import moe_inputs  # noqa: E402
@@ -189,6 +194,40 @@ def test_slot_moe_rule(tokens):
         assert slots * -(-n // gemm.BLOCK_N) >= gemv_configs.MIN_PROGRAMS
 
 
+@pytest.mark.parametrize("rows", [5, 16, 64, 200, 512])
+@pytest.mark.parametrize("shape", DENSE_SHAPES.values(), ids=DENSE_SHAPES.keys())
+def test_swap_ab_rule(shape, rows):
+    """The swap-AB GEMM's config is a candidate of the sweep (so it fits one program's
+    registers and shared memory), holds all rows up to 256 in one tile (128-row tiles beyond)
+    and splits K only into programs that fit on the H200 at once."""
+    n, k = shape
+    config = gemm_configs.swap_ab_config(rows, n, k)
+    assert config in gemm_configs.swap_ab_candidates(rows, n, k)
+    assert config.BLOCK_M >= rows if rows <= 256 else config.BLOCK_M == 128
+    assert config.BLOCK_N == 16 * config.num_warps  # 64 weight rows per warpgroup
+    programs = gemm_configs.tiles(rows, n, config.BLOCK_M, config.BLOCK_N) * config.SPLIT_K
+    assert config.SPLIT_K == 1 or programs <= gemm_configs.H200_SMS
+
+
+def test_int8_gemm_switch(monkeypatch):
+    """``auto`` takes the swap-AB GEMM where its rule holds the rows in one 256-row tile."""
+    assert [ops.swap_ab_serves(rows) for rows in (5, 64, 128, 129, 200, 256, 257, 512)] == [
+        False, False, False, True, True, True, False, False]
+    monkeypatch.setattr(ops, "INT8_GEMM", "swap_ab")
+    assert ops.swap_ab_serves(5) and ops.swap_ab_serves(512)
+    monkeypatch.setattr(ops, "INT8_GEMM", "shared_b")
+    assert not ops.swap_ab_serves(200)
+
+
+def test_swap_ab_rule_at_w2():
+    """At W2's 200 rows: one 256-row tile on two warpgroups; ``[2048, 4096]`` (16 tiles) split
+    four ways, the wide projections not split."""
+    wide = gemm_configs.W8A16GemmConfig(128, 256, 64, 1, 8, 3)
+    assert gemm_configs.swap_ab_config(200, 12352, 2048) == wide
+    assert gemm_configs.swap_ab_config(200, 9216, 2048) == wide
+    assert gemm_configs.swap_ab_config(200, 2048, 4096) == dataclasses.replace(wide, SPLIT_K=4)
+
+
 def test_int8_magic_conversion_is_exact():
     """Both int8 -> fp32 paths of the GEMV give every int8 value exactly: the interpreter's
     ``bits(q + 0x4B000080) - (2^23 + 128)`` and the PTX's ``prmt`` of ``q ^ 0x80`` into the
@@ -199,9 +238,25 @@ def test_int8_magic_conversion_is_exact():
     assert torch.equal(generic, q.float()) and torch.equal(ptx, q.float())
 
 
+def test_int8_half_conversion_is_exact():
+    """The swap-AB GEMM's PTX conversion gives every int8 value exactly: bf16, the byte below
+    ``0x43`` with bit 7 cleared minus the same with only bit 7 kept; fp16, ``q ^ 0x80`` below
+    ``0x64`` minus 1152."""
+    q = torch.arange(-128, 128, dtype=torch.int32)
+    byte = q & 0xFF
+
+    def half(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return bits.to(torch.int16).view(dtype).float()
+
+    word = 0x4300 | byte
+    bf16 = half(word & 0xFF7F, torch.bfloat16) - half(word & 0xFF80, torch.bfloat16)
+    fp16 = half(0x6400 | (byte ^ 0x80), torch.float16) - half(torch.tensor(0x6480), torch.float16)
+    assert torch.equal(bf16, q.float()) and torch.equal(fp16, q.float())
+
+
 # (kernel, signature, constexprs, options) of each kernel with the inline-PTX int8 conversion
 def _fast_int8_launches():
-    from qllm_kernels_int8 import triton_gemv, triton_slot_moe
+    from qllm_kernels_int8 import triton_gemv, triton_slot_moe, triton_w8a16
 
     common = dict(SCALE_BLOCK_K=0, FAST_INT8=True, BLOCK_K=2048, NUM_STAGES=1)
     weights = dict(w_ptr="*i8", shared_w_ptr="*i8", scale_ptr="*fp32",
@@ -215,6 +270,11 @@ def _fast_int8_launches():
         (triton_slot_moe._slot_down_kernel,
          dict(weights, hidden_ptr="*bf16", routing_weights_ptr="*bf16", out_ptr="*bf16"),
          dict(common, BLOCK_K=512, BLOCK_N=8), 1),
+        *[(triton_w8a16._swap_ab_kernel,
+           dict(x_ptr=f"*{dtype}", w_ptr="*i8", scale_ptr="*fp32", bias_ptr=f"*{dtype}",
+                out_ptr=f"*{dtype}"),
+           dict(HAS_BIAS=True, FAST_INT8=True, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128), 4)
+          for dtype in ("bf16", "fp16")],
     ]
 
 
@@ -236,6 +296,22 @@ def test_fast_int8_kernels_compile_for_sm90():
             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         ptx = compiled.asm["ptx"]
         assert "prmt.b32" in ptx and "cvt.rn.f32.s" not in ptx, kernel.__name__
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("shape", [(12352, 2048), (2048, 4096)], ids=["in_proj", "out_proj"])
+def test_swap_ab_gemm_sass_at_w2(shape):
+    """The swap-AB GEMM at 200 rows, compiled for sm_90 as launched (the rule's config; the
+    out_proj split writes fp32 partial sums): nothing spilled, no ``I2F``; in the K loop the
+    ``wgmma`` reads the converted weights from registers (no shared-memory store of them) and
+    keeps one MMA group in flight while the next tile converts."""
+    from qllm_kernels_int8.testing import compile_swap_ab, sass_summary
+
+    summary = sass_summary(compile_swap_ab(200, *shape))
+    opcodes = summary["loop_opcodes"]
+    assert summary["spill_bytes"] == 0 and summary["mma"].startswith("HGMMA.64x256x16")
+    assert summary["mma_a_in_registers"] and summary["wgmma_in_flight"] == 1
+    assert "I2F" not in opcodes and "STS" not in opcodes and "STL" not in opcodes
 
 
 # ----------------------------------------------------------------------------- interpreter
@@ -301,10 +377,39 @@ def test_interpreted_gemv_configs(case, fp8_block):
 
 # The interpreter's tl.dot reads bf16 as raw integers, so the GEMMs use fp16 and fp32.
 @interpreted
+@pytest.mark.parametrize("gemm", ["swap_ab", "shared_b"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("shape", GEMM_SHAPES.values(), ids=GEMM_SHAPES.keys())
-def test_interpreted_w8a16_gemm(shape, dtype):
+def test_interpreted_w8a16_gemm(shape, dtype, gemm, monkeypatch):
+    """Each W8A16 GEMM through the op (``INT8_GEMM`` switched), at its rule's config."""
+    monkeypatch.setattr(ops, "INT8_GEMM", gemm)
     check_w8a16(shape, dtype)
+
+
+# (m, n, k, config): several K steps with a partial last one, rows of x past M and weight rows
+# past N in the last tiles, K split 2, 3 (a shorter last split) and 4 ways (an empty split)
+SWAP_AB_CONFIGS = {
+    "m20-n70-k200-bk32": (20, 70, 200, gemm_configs.W8A16GemmConfig(64, 16, 32, 1, 4, 2)),
+    "m40-n130-k96-split2": (40, 130, 96, gemm_configs.W8A16GemmConfig(64, 32, 16, 2, 4, 3)),
+    "m20-n70-k200-split3": (20, 70, 200, gemm_configs.W8A16GemmConfig(64, 16, 32, 3, 4, 2)),
+    "m5-n130-k96-split4": (5, 130, 96, gemm_configs.W8A16GemmConfig(128, 16, 32, 4, 8, 2)),
+}
+
+
+@interpreted
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("case", SWAP_AB_CONFIGS.values(), ids=SWAP_AB_CONFIGS.keys())
+def test_interpreted_swap_ab_configs(case, dtype, bias):
+    """The swap-AB GEMM at explicit configs against the reference."""
+    from qllm_kernels_int8.triton_w8a16 import w8a16_gemm_swap_ab
+
+    m, n, k, config = case
+    x, w = _x(m, k, dtype), _weights(n, k)
+    b = torch.randn(n).to(dtype) if bias else None
+    q, scale = quant.quantize_int8_rows(w)
+    expected = quant.linear_w8a16(x.float(), q, scale, None if b is None else b.float())
+    _close(w8a16_gemm_swap_ab(x, q, scale, b, config), expected, dtype)
 
 
 def check_group_quant(x: torch.Tensor, interpreter: bool) -> None:
@@ -429,8 +534,32 @@ def test_gemv_parity(shape, rows, fast_int8):
                quant.linear_w8a16(x, q, scale, None), torch.bfloat16)
 
 
+# (activation dtype, inline-PTX int8 conversion) of the swap-AB parity runs
+SWAP_AB_VARIANTS = {"bf16-ptx": (torch.bfloat16, True), "bf16-cast": (torch.bfloat16, False),
+                    "fp16-ptx": (torch.float16, True)}
+
+
 @cuda
-@pytest.mark.parametrize("rows", [1, 3, 64, 1000])
+@pytest.mark.parametrize("variant", SWAP_AB_VARIANTS.values(), ids=SWAP_AB_VARIANTS.keys())
+@pytest.mark.parametrize("rows", [5, 64, 200, 512])
+@pytest.mark.parametrize("shape", DENSE_SHAPES.values(), ids=DENSE_SHAPES.keys())
+def test_swap_ab_parity(shape, rows, variant):
+    """The swap-AB GEMM at the rule's configs, with bias; bf16 through the PTX also at an odd
+    K (rows not 16-byte aligned, a partial last K step)."""
+    from qllm_kernels_int8.triton_w8a16 import w8a16_gemm_swap_ab
+
+    dtype, fast_int8 = variant
+    odd_k = variant == SWAP_AB_VARIANTS["bf16-ptx"]
+    for n, k in [shape, (shape[0], shape[1] - 3)] if odd_k else [shape]:
+        x, w = _x(rows, k, dtype, "cuda"), _weights(n, k).cuda()
+        b = torch.randn(n, device="cuda").to(dtype)
+        q, scale = quant.quantize_int8_rows(w)
+        _close(w8a16_gemm_swap_ab(x, q, scale, b, fast_int8=fast_int8),
+               quant.linear_w8a16(x, q, scale, b), dtype)
+
+
+@cuda
+@pytest.mark.parametrize("rows", [1, 3, 64, 200, 1000])
 @pytest.mark.parametrize("shape", DENSE_SHAPES.values(), ids=DENSE_SHAPES.keys())
 def test_dense_parity(shape, rows):
     n, k = shape
