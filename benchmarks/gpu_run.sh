@@ -20,6 +20,12 @@
 #   (1 and 4 tokens), JSON lines, then decode_step lines (W3's dense + MoE time per format);
 #   bench-int8-sweep: the 8-bit GEMV's launch-config sweep at one row (best per shape);
 #   bench-int8-sweep-moe: the same for the MoE slot path's two GEMMs at 1 and 4 tokens;
+#   bench-int8-gemm: the dense 8-bit kernels against bf16 at 16, 64, 200 and 512 rows (the two
+#   W8A16 GEMMs, shared-B and swap-AB, side by side); bench-int8-sweep-gemm: the swap-AB
+#   GEMM's launch-config sweep at 200 rows (best per shape, the rule's, the shared-B GEMM's,
+#   cuBLAS's); bench-int8-sweep-gemm-more: the same at 16, 64 and 512 rows;
+#   QLLM_INT8_GEMM=shared_b (or swap_ab) in the environment runs the int8 stages (w2-int8
+#   included) on that W8A16 GEMM at every row count (default auto: plugins/kernels_int8 ops.py);
 #   w1, w2, w3: throughput.py, then a decode-step profile
 #   on the same engine (W1 batch 256 x 1,100, W2 200 x 2,000, W3 1 x 512; files in $OUT);
 #   w3-cublas: W3 with the projections on cuBLAS (the linear op pinned to torch), the GEMV's
@@ -131,6 +137,15 @@ for stage in "$@"; do
         bench-int8-sweep-moe) TAIL=${TAIL:-6} run bench_int8_sweep_moe 420 python3 \
                                   plugins/kernels_int8/benchmarks/bench_int8.py --sweep \
                                   --parts moe --moe-tokens 1 4 ;;
+        bench-int8-gemm) TAIL=${TAIL:-26} run bench_int8_gemm 300 python3 \
+                             plugins/kernels_int8/benchmarks/bench_int8.py --rows 16 64 200 512 \
+                             --parts dense ;;
+        bench-int8-sweep-gemm) TAIL=${TAIL:-3} run bench_int8_sweep_gemm 420 python3 \
+                                   plugins/kernels_int8/benchmarks/bench_int8.py --sweep \
+                                   --rows 200 --parts dense ;;
+        bench-int8-sweep-gemm-more) TAIL=${TAIL:-9} run bench_int8_sweep_gemm_more 480 python3 \
+                                        plugins/kernels_int8/benchmarks/bench_int8.py --sweep \
+                                        --rows 16 64 512 --parts dense ;;
         w1) run w1 300 python3 benchmarks/throughput.py --workload w1 \
                 --profile-decode 256 1100 --profile-out "$out" ;;
         w1-peer) run w1_peer 200 python3 benchmarks/throughput.py --workload w1 \
