@@ -210,7 +210,10 @@ def test_swap_ab_rule(shape, rows):
 
 
 def test_int8_gemm_switch(monkeypatch):
-    """``auto`` takes the swap-AB GEMM where its rule holds the rows in one 256-row tile."""
+    """The GPU-checked shared-B GEMM by default; ``auto`` takes the swap-AB GEMM where its rule
+    holds the rows in one 256-row tile."""
+    assert not any(ops.swap_ab_serves(rows) for rows in (5, 200, 512))
+    monkeypatch.setattr(ops, "INT8_GEMM", "auto")
     assert [ops.swap_ab_serves(rows) for rows in (5, 64, 128, 129, 200, 256, 257, 512)] == [
         False, False, False, True, True, True, False, False]
     monkeypatch.setattr(ops, "INT8_GEMM", "swap_ab")
