@@ -21,8 +21,8 @@ class ModelSpec:
     """One HF architecture string and how to build it.
 
     ``build(hf_config, kernels, engine_config) -> CausalLM``
-    (``qllm.plugins.protocols.ModelBuilder``) is called on the meta device; the core then materialises the module on the target device
-    and loads its weights.
+    (``qllm.plugins.protocols.ModelBuilder``) is called on the meta device; the core then
+    materialises the module on the target device and loads its weights.
     """
 
     architecture: str
