@@ -91,3 +91,19 @@ def test_prefill_graph_padding_rows_name_only_padding_units(qwen3_dir):
     assert fields["paged_kv.slot_mapping"][0][5:] == [padding_block * 16 + p % 16
                                                       for p in range(27)]
     assert inputs.num_sampled == 1
+
+
+def test_prefill_graphs_recompute_preempted_sequences(qwen3_dir):
+    """With too few KV blocks for every running sequence, the scheduler preempts and later
+    recomputes a sequence's prompt and generated tokens in one prefill: through a prefill graph
+    where it fits, with the same greedy tokens as eager."""
+    prompts = random_prompts([20, 25, 30])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    settings = dict(block_size=16, max_num_seqs=3, num_kv_blocks=7, max_model_len=64)
+    expected = LLM(qwen3_dir, **settings).generate(prompts, params, use_tqdm=False)
+    llm = with_prefill_graphs(LLM(qwen3_dir, **settings), [16, 32, 64])
+    replayed = record_replays(llm.engine.runner.prefill_graphs)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [g["token_ids"] for g in got] == [e["token_ids"] for e in expected]
+    assert llm.engine.scheduler.num_preemptions > 0 and replayed
+    assert_cache_free(llm)

@@ -306,16 +306,17 @@ class ModelRunner:
     def graph_shape(self, scheduled: ScheduledBatch) -> GraphShape | None:
         """The captured shape that ``scheduled`` runs in, or None to run the layers as they
         are: a decode batch of at most the largest decode bucket; a prefill step of one
-        sequence, without media, whose prompt it completes in at most the largest prefill
-        bucket's tokens (a chunk that samples nothing keeps the eager path)."""
+        sequence, without media or a pending input token, whose prompt it completes in at
+        most the largest prefill bucket's tokens."""
         if not scheduled.is_prefill:
             size = self.graphs.bucket(len(scheduled)) if self.graphs is not None else None
             return None if size is None else GraphShape(False, size)
         if self.prefill_graphs is None or len(scheduled) != 1:
             return None
         seq, num_tokens = scheduled.seqs[0], scheduled.num_tokens[0]
-        if seq.multimodal is not None or seq.num_computed_tokens + num_tokens != len(seq):
-            return None
+        if seq.multimodal is not None or seq.num_pending_tokens \
+                or seq.num_computed_tokens + num_tokens != len(seq):
+            return None  # media rows, a pending input, or a chunk that samples nothing
         size = self.prefill_graphs.bucket(num_tokens)
         return None if size is None else GraphShape(True, size)
 
