@@ -41,8 +41,9 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     themselves (the new K/V must already be stored). Returns ``[T, Hq, D]``."""
     out = torch.empty_like(q)
     block_tables = batch.caches["paged_kv"].block_tables  # [B, W]
-    starts = batch.query_start_loc.tolist()  # the tensors, not host copies: graph replays
-    for i, seq_len in enumerate(batch.seq_lens.tolist()):  # refresh them, not the copies
+    # lengths from the step's tensors, not its host copies: a graph replay refreshes only these
+    starts = batch.query_start_loc.tolist()
+    for i, seq_len in enumerate(batch.seq_lens.tolist()):
         start, query_len = starts[i], starts[i + 1] - starts[i]
         num_blocks = -(-seq_len // k_cache.shape[1])
         table = block_tables[i, :num_blocks]

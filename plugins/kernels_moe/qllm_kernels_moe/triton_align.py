@@ -92,7 +92,7 @@ def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, num_blocks_ptr, num_slo
                BLOCK_M, E_PAD)
 
 
-@triton.jit(do_not_specialize=SIZE_ARGUMENTS[:1])
+@triton.jit(do_not_specialize=["num_slots"])  # the one of SIZE_ARGUMENTS it takes
 def _chunk_counts_kernel(ids_ptr, chunk_counts_ptr, totals_ptr, num_slots,
                          E_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """Chunk ``c``'s count per expert into ``chunk_counts[c]``, added to ``totals``."""
