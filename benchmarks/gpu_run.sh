@@ -37,7 +37,7 @@
 #   their profiles keep the GDN state in bf16, as vLLM's anchors do (WORKLOADS.md), and
 #   w2-fp32-state runs W2 with the fp32 default; w2-256: W2 at max_num_seqs=256 and
 #   max_model_len=4096 (the outside harness's settings); w2-int8, w2-fp8, w3-int8, w3-fp8:
-#   W2 / W3 with 8-bit weights (qllm-kernels-int8); w2-prefix-cache: W2 (no shared
+#   W2 / W3 with 8-bit weights (qllm-kernels-int8; w2-int8-experts: on the experts alone); w2-prefix-cache: W2 (no shared
 #   prefixes) with the hybrid prefix cache on (64 state checkpoints); prefix-cache:
 #   prefix_cache.py (64 requests sharing a 4,000-token prompt, cache off then on);
 #   int8-tests: that plugin's kernel, accuracy and weight-format tests; config-tests: the Qwen3.5 config variants (a shared
@@ -155,7 +155,7 @@ for stage in "$@"; do
                 --profile-decode 200 2000 --profile-out "$out" ;;
         w2-256) run w2_256 300 python3 benchmarks/throughput.py --workload w2 --max-num-seqs 256 \
                     --max-model-len 4096 --recurrent-state-dtype bfloat16 ;;
-        w2-int8|w2-fp8) run "${stage/-/_}" 360 python3 benchmarks/throughput.py --workload w2 \
+        w2-int8|w2-int8-experts|w2-fp8) run "${stage/-/_}" 360 python3 benchmarks/throughput.py --workload w2 \
                             --max-num-seqs 200 --max-model-len 3072 --recurrent-state-dtype \
                             bfloat16 --quantization "${stage#w2-}" ;;
         w3-int8|w3-fp8) run "${stage/-/_}" 200 python3 benchmarks/throughput.py --workload w3 \

@@ -1,4 +1,4 @@
-"""qllm plugin entry point: the ``int8`` and ``fp8`` weight formats (``qllm_weight_formats``)
+"""qllm plugin entry point: the ``int8``, ``int8-experts`` and ``fp8`` weight formats (``qllm_weight_formats``)
 and the ops their modules call (``qllm_kernels``).
 
 Each op has its plain-torch reference (``torch``, priority 0, every device: dequantize, then
@@ -12,7 +12,7 @@ from qllm.plugins.hookspecs import hookimpl
 from qllm.plugins.specs import KernelSpec, WeightFormatSpec, triton_on_cuda
 
 from qllm_kernels_int8 import ops, quant
-from qllm_kernels_int8.formats import Fp8Format, Int8Format
+from qllm_kernels_int8.formats import Fp8Format, Int8ExpertsFormat, Int8Format
 
 PLUGIN = "qllm-kernels-int8"
 INT8_OPS = ("linear_w8a16", "fused_moe_w8a16")
@@ -26,6 +26,11 @@ def qllm_weight_formats():
                          plugin=PLUGIN, ops=INT8_OPS,
                          description="INT8 weight-only (W8A16), a scale per output channel, "
                                      "quantized at load"),
+        WeightFormatSpec(name="int8-experts",
+                         create=lambda quant_config, config: Int8ExpertsFormat(None),
+                         plugin=PLUGIN, ops=INT8_OPS,
+                         description="INT8 weight-only on the MoE experts alone, other "
+                                     "projections full precision (for many rows per step)"),
         WeightFormatSpec(name="fp8", create=lambda quant_config, config: Fp8Format(
                              quant_config), plugin=PLUGIN, checkpoint_methods=("fp8",),
                          ops=FP8_OPS,

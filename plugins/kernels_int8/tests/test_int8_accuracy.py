@@ -105,6 +105,26 @@ def test_quantized_model_accuracy(checkpoint, fmt):
     assert cosine > COSINE_BOUND[fmt], f"{fmt}: logits cosine {cosine:.6f}"
 
 
+def test_int8_experts_quantizes_the_moe_blocks_alone(checkpoint):
+    """``int8-experts``: the routed and shared experts in int8, every other projection full
+    precision; the logits those weights give, dequantized, as in ``int8``. A model without
+    MoE blocks is refused by name."""
+    if "moe" not in checkpoint:
+        with pytest.raises(ValueError, match="quantizes MoE experts only"):
+            LLM(checkpoint, quantization="int8-experts", **OPTIONS)
+        return
+    llm = LLM(checkpoint, quantization="int8-experts", **OPTIONS)
+    quantized = {name for name, m in llm.engine.model.named_modules()
+                 if isinstance(m, (QuantizedLinear, QuantizedExperts))}
+    assert quantized and all(".mlp." in name for name in quantized), sorted(quantized)
+    assert any(name.endswith(".experts") for name in quantized)
+    logits = prefill_logits(llm, PROMPT)
+    twin = dequantized_twin(checkpoint, llm)
+    torch.testing.assert_close(logits, prefill_logits(twin, PROMPT), atol=1e-4, rtol=1e-4)
+    cosine = _cosine(logits, prefill_logits(LLM(checkpoint, **OPTIONS), PROMPT))
+    assert cosine > COSINE_BOUND["int8"], f"int8-experts: logits cosine {cosine:.6f}"
+
+
 def _fp8_candidate(name: str, tensor: torch.Tensor) -> bool:
     """What Qwen's FP8 checkpoints store in fp8: the 2-D projection weights, not the
     embedding, head, router, shared-expert gate, GDN ``in_proj_a`` / ``in_proj_b``."""
