@@ -4,7 +4,9 @@ Qwen3.5-35B-A3B projection shapes, compiled for sm_90 as its launch would be
 
 Per kernel: the config, the grid (``programs``) and loop steps per program; registers, spilled
 bytes, shared memory; the K loop's instruction count and opcodes; the MMA instruction, whether
-its A operand is in registers, and how many MMA groups stay in flight at its waits. Derived:
+its A operand is in registers, how many MMA groups stay in flight at its waits and how many
+loop instructions write the A registers of an MMA in flight (a race unless 0); the Triton that
+compiled it (the installed one: its code differs between versions). Derived:
 ``issue_per_step``, the loop's warp instructions per SM scheduler per step (4 schedulers), and
 ``issue_per_weight_kb`` the same per KiB of int8 weight the step reads, a floor on the issue
 cycles a program spends per KiB of weight (before any wait).
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+
+import triton
 
 from qllm_kernels_int8.gemm_configs import swap_ab_config
 from qllm_kernels_int8.testing import compile_shared_b, compile_swap_ab, sass_summary
@@ -45,7 +49,7 @@ def describe(kernel: str, compiled, tiles: tuple[int, int, int], programs: int, 
 def compare(rows: int, name: str) -> list[dict]:
     """Both GEMMs at ``rows`` rows through the projection ``name``."""
     n, k = QWEN3_5_35B_A3B_SHAPES[name]
-    case = dict(shape=name, rows=rows, n=n, k=k)
+    case = dict(shape=name, rows=rows, n=n, k=k, triton=triton.__version__)
     block_m, block_n, block_k, _, warps, stages = gemm_config(rows, n, k)
     shared_b = describe("shared_b", compile_shared_b(rows, n, k), (block_m, block_n, block_k),
                         cdiv(rows, block_m) * cdiv(n, block_n), cdiv(k, block_k), warps,

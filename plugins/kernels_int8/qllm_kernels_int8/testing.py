@@ -1,6 +1,8 @@
 """The W8A16 GEMMs compiled for sm_90 without a GPU, specialized as a real launch would be, and a
-summary of their code (registers, shared memory, the K loop's instructions): what backs the
-kernels' design in the tests and in ``benchmarks/sass_w8a16.py``.
+summary of their code (registers, shared memory, the K loop's instructions, writes into the
+registers of an MMA in flight): what backs the kernels' design in the tests and in
+``benchmarks/sass_w8a16.py``, for whichever Triton is installed (its code differs between
+versions: see ``triton_w8a16``).
 
 ``qllm.testing.triton_launches`` compiles the interpreter tests' launches from their argument
 types alone; a launch on a GPU also specializes pointers (16-byte aligned), integers divisible
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import os
 import re
 import subprocess
 import tempfile
@@ -24,6 +27,27 @@ from qllm_kernels_int8.gemm_configs import W8A16GemmConfig, swap_ab_config
 
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
 RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+def sm90_compiler_missing() -> str | None:
+    """Why the installed Triton cannot compile and disassemble for sm_90 here (``None`` when it
+    can): what ``compile_for_sm90`` and ``sass_summary`` use, checked under 3.6 and 3.7; not
+    under the interpreter (``TRITON_INTERPRET=1``: ``triton.jit`` functions do not compile)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "the Triton interpreter is on: nothing compiles"
+    try:
+        import triton
+        from triton import knobs
+        from triton._C.libtriton import native_specialize_impl  # noqa: F401
+        from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+
+        cuobjdump = knobs.nvidia.cuobjdump.path
+    except (ImportError, AttributeError, RuntimeError) as error:
+        return f"this Triton cannot compile for sm_90 offline: {error!r}"
+    if not cuobjdump:
+        return f"triton {triton.__version__} has no cuobjdump"
+    return None
 
 
 def compile_for_sm90(kernel, args: dict, options: dict):
@@ -79,10 +103,61 @@ def k_loop(sass: str) -> list[tuple[str, str]]:
     return best
 
 
+REGISTER = re.compile(r"^R(\d+)$")
+A_REGISTERS_PER_MMA = 4  # 32-bit registers of a 64 x 16 fp16 / bf16 A fragment per thread
+
+
+def _register_writes(opcode: str, operands: str) -> set[int]:
+    """The general registers an instruction writes: its first operand's (the second's for
+    ``SHFL``, whose first is a predicate), 2 for ``.64`` / ``.WIDE`` results, 4 for ``.128``;
+    none for stores (their first operand is an address), branches, barriers and the MMA (whose
+    accumulator may be chained without a wait)."""
+    parts = [part.strip() for part in operands.split(",")]
+    base = opcode.split(".")[0]
+    if base in ("HGMMA", "WARPGROUP"):
+        return set()
+    first = parts[1] if base == "SHFL" and len(parts) > 1 else parts[0]
+    match = REGISTER.match(first)
+    if not match:
+        return set()
+    width = 4 if ".128" in opcode else 2 if ".64" in opcode or ".WIDE" in opcode else 1
+    return set(range(int(match.group(1)), int(match.group(1)) + width))
+
+
+def in_flight_a_writes(loop: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The K loop's instructions that write a register holding the A operand of a ``wgmma``
+    that may still be in flight there: each ``HGMMA ... R<a>`` reads ``R<a>``..``R<a+3>`` until
+    a ``WARPGROUP.DEPBAR.LE gsb0, N`` leaves its group out of the N newest (groups end at
+    ``gsb0``), followed over a second pass of the loop (what the previous step left in flight).
+    PTX makes such a write undefined, and ptxas 12.8 (the one Triton 3.6 and 3.7 bundle) does
+    not keep the A registers from the next step's values while the MMA is in flight."""
+    pending: list[set[int]] = []
+    current: set[int] = set()
+    found = []
+    for lap in range(2):
+        for opcode, operands in loop:
+            if opcode.split(".")[0] == "HGMMA":
+                match = REGISTER.match(operands.split(",")[1].strip())
+                if match:
+                    first = int(match.group(1))
+                    current |= set(range(first, first + A_REGISTERS_PER_MMA))
+                if "gsb0" in operands:
+                    pending.append(current)
+                    current = set()
+            elif opcode == "WARPGROUP.DEPBAR.LE":
+                keep = int(re.search(r"gsb0, 0x([0-9a-f]+)", operands).group(1), 16)
+                pending = pending[max(0, len(pending) - keep):] if keep else []
+            if lap and _register_writes(opcode, operands) & set().union(current, *pending):
+                found.append((opcode, operands.strip()))
+    return found
+
+
 def sass_summary(compiled) -> dict:
     """Registers, stack (spills), shared memory, and the K loop: its instruction count, opcode
-    counts, MMA instruction, whether the ``wgmma`` reads A from registers, and how many MMA
-    groups it leaves in flight at its waits (``None`` without ``wgmma``)."""
+    counts, MMA instruction, whether the ``wgmma`` reads A from registers, how many MMA
+    groups it leaves in flight at its waits (``None`` without ``wgmma``), and how many of its
+    instructions write the A registers of an MMA that may be in flight (``in_flight_a_writes``;
+    anything but 0 is a race)."""
     cubin = compiled.asm["cubin"]
     registers, stack, _, local = map(int, RESOURCES.search(
         _cuobjdump(cubin, "--dump-resource-usage")).groups())
@@ -95,7 +170,8 @@ def sass_summary(compiled) -> dict:
                 loop_instructions=len(loop), loop_opcodes=dict(opcodes),
                 mma=mma[0][0] if mma else None,
                 mma_a_in_registers=bool(mma) and mma[0][1].split(",")[1].strip().startswith("R"),
-                wgmma_in_flight=min(waits) if waits else None)
+                wgmma_in_flight=min(waits) if waits else None,
+                a_written_in_flight=len(in_flight_a_writes(loop)))
 
 
 def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:

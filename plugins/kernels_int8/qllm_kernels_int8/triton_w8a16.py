@@ -4,13 +4,23 @@ for ``M`` of 5 to 512 rows, computed as ``out^T = w @ x^T``.
 Why swapped. On Hopper, ``wgmma`` reads its B operand from shared memory only, its A operand
 from registers too. With the weights as B (``triton_linear.w8a16_gemm``), each converted int8
 tile has to go back to shared memory before the MMA: a store, a fence and a barrier per loop
-step, and the MMA must finish before the next step overwrites that buffer, so loads,
-conversion and MMA run one after the other (compiled for sm_90: ``STS`` of the converted tile,
-then ``HGMMA ... gdesc``, then a wait for zero MMAs in flight). As A, the int8 tile goes from
-shared memory (``cp.async``, pipelined) to registers, is converted there and feeds the MMA
-directly (``HGMMA ... R, gdesc``, one MMA left in flight while the next tile converts). The
-weight rows are then the MMA's M (64 per warpgroup) and the input rows its N (up to 256), so a
-program holds all of ``M`` up to 256 rows: each weight byte is loaded and converted once.
+step (compiled for sm_90: ``STS`` of the converted tile, then ``HGMMA ... gdesc``, then a wait
+for zero MMAs in flight). As A, the int8 tile goes from shared memory (``cp.async``,
+pipelined) to registers, is converted there and feeds the MMA directly (``HGMMA ... R,
+gdesc``). The weight rows are then the MMA's M (64 per warpgroup) and the input rows its N (up
+to 256), so a program holds all of ``M`` up to 256 rows: each weight byte is loaded and
+converted once.
+
+The MMA is synchronous: each step's ``wgmma`` group is waited for (``WARPGROUP.DEPBAR.LE
+gsb0, 0x0``) before the next step converts its tile into registers, so the MMA overlaps the
+``cp.async`` loads in flight and the other warpgroups' and programs' work, not its own
+warpgroup's next conversion. Triton's pipeliner would leave MMAs in flight there (3.6: the dot
+split into 16-column ``wgmma`` groups, 3 of them left in flight at 64-column steps, 7 at
+128-256; 3.7: two groups, one left in flight), counting on their A registers to stay
+untouched until they retire; the ptxas that both bundle (12.8) does not keep them reserved
+that long, and the next step's conversion wrote into the A registers of the MMAs still in
+flight (``testing.in_flight_a_writes``): wrong results on an H200 under 3.6, the same pattern
+in 3.7.1's code. ``_retire_mma`` makes the pipeliner wait for each MMA, at no instruction.
 
 Conversion: ``int8_convert.int8_to_half``, exact, in the registers of the MMA's A operand: per
 two weights (one 16-bit shared-memory load) a byte permute, two masks and a packed subtraction
@@ -41,15 +51,25 @@ SUM_BLOCK_N = 1024  # output columns per program of the split-K sum
 
 
 @triton.jit
+def _retire_mma(acc):
+    """``acc`` as it is, through an empty inline asm (no instruction): a use of the MMA's
+    result inside the K loop, which makes Triton's pipeliner wait for the MMA right after it
+    (``wgmma.wait_group 0``) instead of leaving it in flight over the next step's conversion
+    into its A registers (see the module docstring). Not for the interpreter (no asm)."""
+    return tl.inline_asm_elementwise("", "=f,0", [acc], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _swap_ab_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm,
                     stride_wn, stride_om, stride_split, k_per_split, HAS_BIAS: tl.constexpr,
-                    FAST_INT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    FAST_INT8: tl.constexpr, SYNC_MMA: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program ``(m, n, s)``: output rows ``m * BLOCK_M ...`` and columns ``n * BLOCK_N ...``
     over K columns ``[s * k_per_split, (s + 1) * k_per_split)`` (``k_per_split`` a multiple
     of ``BLOCK_K``), scaled, written at ``out_ptr + s * stride_split`` in ``out``'s dtype
     (fp32 partial sums when split). Rows past ``M`` / ``N`` load row ``M - 1`` / ``N - 1``
-    (no masks in the loop) and are not stored."""
+    (no masks in the loop) and are not stored. ``SYNC_MMA`` (compiled for a GPU): each step's
+    MMA retired before the next step converts (``_retire_mma``)."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows_w = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                      # [BN] weight rows
     rows_x = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                      # [BM] input rows
@@ -65,6 +85,8 @@ def _swap_ab_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_
         w = tl.load(w_ptrs, mask=in_k[None, :], other=0)                  # int8
         x = tl.load(x_ptrs, mask=in_k[:, None], other=0.0)
         acc = tl.dot(int8_to_half(w, x.dtype, FAST_INT8), x, acc)
+        if SYNC_MMA:
+            acc = _retire_mma(acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     w_on, x_on = rows_w < N, rows_x < M
@@ -111,6 +133,7 @@ def swap_ab_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 stride_om=target.stride(-2), stride_split=m * n,
                 k_per_split=triton.cdiv(steps, config.SPLIT_K) * config.BLOCK_K,
                 HAS_BIAS=bias is not None and config.SPLIT_K == 1, FAST_INT8=fast_int8,
+                SYNC_MMA=x.device.type != "cpu",  # CUDA, or the meta tensors of testing.py
                 BLOCK_N=config.BLOCK_N, BLOCK_M=config.BLOCK_M, BLOCK_K=config.BLOCK_K)
 
 

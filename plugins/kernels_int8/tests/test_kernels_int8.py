@@ -4,12 +4,14 @@
   dequantized weights, the custom ops' fake path under ``torch.compile(fullgraph=True)``, the
   plugin's registrations, the GEMV's and the swap-AB GEMM's launch rules, the arithmetic of
   the int8 -> fp32 / bf16 / fp16 conversions, and (with Triton, no GPU) the inline-PTX
-  variants compiled for sm_90, the swap-AB GEMM's code at W2's 200 rows included; under the
-  Triton interpreter (``test_triton_interpreter`` reruns the ``interpreted`` tests in a
-  subprocess with ``TRITON_INTERPRET=1``) at tiny shapes: the 8-bit GEMV (through the ops and
-  at explicit launch configs), both W8A16 GEMMs (through the op, and the swap-AB one at
-  explicit configs, split-K included), the fp8 activation quantization, the fp8 block GEMM,
-  both 8-bit fused MoEs on the sorted path and on the slot path.
+  variants compiled for sm_90, the swap-AB GEMM's code at W2's 200 rows and the rule's other
+  tiles included (by the installed Triton: its MMA retired before the next step writes the
+  MMA's registers); under the Triton interpreter (``test_triton_interpreter`` reruns the
+  ``interpreted`` tests in a subprocess with ``TRITON_INTERPRET=1``) at tiny shapes: the
+  8-bit GEMV (through the ops and at explicit launch configs), both W8A16 GEMMs (through the
+  op, and the swap-AB one at explicit configs, split-K included), the fp8 activation
+  quantization, the fp8 block GEMM, both 8-bit fused MoEs on the sorted path and on the slot
+  path.
 - CUDA (skipped without a GPU): the ops at Qwen3.5-35B-A3B shapes in bf16 (the GEMV with
   both int8 conversions, the swap-AB GEMM with both, in bf16 and fp16), and a compiled
   fullgraph call.
@@ -29,8 +31,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("qllm_kernels_int8")
 
-from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
-                                  interpreted, interpreter_driver, run_interpreted_tests)
+from qllm.testing.kernels import (HAS_TRITON, INTERPRETING, called_ops, cuda,  # noqa: E402
+                                  graphs_traced_by, interpreted, interpreter_driver,
+                                  run_interpreted_tests)
 from qllm.ops import moe  # noqa: E402
 from qllm.plugins.registry import PluginRegistry  # noqa: E402
 from qllm_kernels_int8 import gemm_configs, gemv_configs, ops, plugin, quant  # noqa: E402
@@ -149,7 +152,7 @@ def test_custom_ops_compile_fullgraph_on_fake_path():
 
 def test_plugin_registration():
     registry = PluginRegistry(extra_plugins=[plugin], load_entry_points=False)
-    assert sorted(registry.weight_formats) == ["fp8", "int8"]
+    assert sorted(registry.weight_formats) == ["fp8", "int8", "int8-experts"]
     assert registry.weight_formats["fp8"].checkpoint_methods == ("fp8",)
     ops_ = plugin.INT8_OPS + plugin.FP8_OPS
     cuda_names = registry.kernels(torch.device("cuda"), torch.bfloat16).names()
@@ -276,12 +279,13 @@ def _fast_int8_launches():
         *[(triton_w8a16._swap_ab_kernel,
            dict(x_ptr=f"*{dtype}", w_ptr="*i8", scale_ptr="*fp32", bias_ptr=f"*{dtype}",
                 out_ptr=f"*{dtype}"),
-           dict(HAS_BIAS=True, FAST_INT8=True, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128), 4)
+           dict(HAS_BIAS=True, FAST_INT8=True, SYNC_MMA=True, BLOCK_N=64, BLOCK_M=16,
+                BLOCK_K=128), 4)
           for dtype in ("bf16", "fp16")],
     ]
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETING, reason="needs triton, compiling")
 def test_fast_int8_kernels_compile_for_sm90():
     """The interpreter cannot run inline PTX, so the interpreted tests run the elementwise
     int8 conversion: the PTX variants must at least compile for the GPU, and convert with
@@ -301,20 +305,50 @@ def test_fast_int8_kernels_compile_for_sm90():
         assert "prmt.b32" in ptx and "cvt.rn.f32.s" not in ptx, kernel.__name__
 
 
+def _swap_ab_sass(rows: int, n: int, k: int, fast_int8: bool = True) -> dict:
+    """The swap-AB GEMM's code summary, compiled for sm_90 by the installed Triton (skips
+    where that Triton lacks what ``testing.compile_for_sm90`` uses)."""
+    from qllm_kernels_int8 import testing
+
+    missing = testing.sm90_compiler_missing()
+    if missing:
+        pytest.skip(missing)
+    return testing.sass_summary(testing.compile_swap_ab(rows, n, k, fast_int8=fast_int8))
+
+
+def _assert_mma_retired_each_step(summary: dict) -> None:
+    """The K loop's ``wgmma`` reads the converted weights from registers, no shared-memory
+    store of them, no ``I2F``, no spill; and no MMA is in flight when the next step writes its
+    A registers: the loop waits for zero MMA groups, and writes no register that an MMA still
+    in flight reads (``testing.in_flight_a_writes``, which the pipeliner's own waits of Triton
+    3.6 and 3.7 both fail: the conversion of the next tile lands in them)."""
+    import triton
+
+    opcodes = summary["loop_opcodes"]
+    where = f"triton {triton.__version__}: {summary}"
+    assert summary["spill_bytes"] == 0 and summary["mma_a_in_registers"], where
+    assert summary["wgmma_in_flight"] == 0 and summary["a_written_in_flight"] == 0, where
+    assert "I2F" not in opcodes and "STS" not in opcodes and "STL" not in opcodes, where
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("shape", [(12352, 2048), (2048, 4096)], ids=["in_proj", "out_proj"])
 def test_swap_ab_gemm_sass_at_w2(shape):
     """The swap-AB GEMM at 200 rows, compiled for sm_90 as launched (the rule's config; the
-    out_proj split writes fp32 partial sums): nothing spilled, no ``I2F``; in the K loop the
-    ``wgmma`` reads the converted weights from registers (no shared-memory store of them) and
-    keeps one MMA group in flight while the next tile converts."""
-    from qllm_kernels_int8.testing import compile_swap_ab, sass_summary
+    out_proj split writes fp32 partial sums): ``HGMMA.64x256x16`` (a warpgroup's 64 weight
+    rows by the 256-row tile of ``x``), retired each step (``_assert_mma_retired_each_step``)."""
+    summary = _swap_ab_sass(200, *shape)
+    assert summary["mma"].startswith("HGMMA.64x256x16"), summary
+    _assert_mma_retired_each_step(summary)
 
-    summary = sass_summary(compile_swap_ab(200, *shape))
-    opcodes = summary["loop_opcodes"]
-    assert summary["spill_bytes"] == 0 and summary["mma"].startswith("HGMMA.64x256x16")
-    assert summary["mma_a_in_registers"] and summary["wgmma_in_flight"] == 1
-    assert "I2F" not in opcodes and "STS" not in opcodes and "STL" not in opcodes
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("fast_int8", [True, False], ids=["ptx", "cast"])
+@pytest.mark.parametrize("rows", [5, 64, 512])
+def test_swap_ab_gemm_sass_retires_mma(rows, fast_int8):
+    """The same at the rule's other tiles (16 and 64 input rows on one warpgroup with 256- and
+    128-column steps, 128 rows on two) and with Triton's int8 cast as well (bf16)."""
+    _assert_mma_retired_each_step(_swap_ab_sass(rows, 12352, 2048, fast_int8))
 
 
 # ----------------------------------------------------------------------------- interpreter
