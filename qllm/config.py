@@ -198,7 +198,8 @@ class EngineConfig:
     # allocated with the recurrent slots). 0: no prefix caching for such models
     prefix_state_cache_slots: int = 0
     # a state checkpoint every this many KV blocks of a prompt (plus one at its last full
-    # block); a prefill chunk stops at each boundary that has none yet
+    # block); a prefill step saves them as its recurrent layers pass them
+    # (qllm.cache.checkpoint_rounds)
     prefix_state_interval_blocks: int = 1
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False

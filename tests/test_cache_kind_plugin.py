@@ -73,7 +73,7 @@ class ProbePool(CachePool):
         return -(-num_tokens // PAGE)
 
     def step_fields(self, seqs, context_lens, seq_lens, num_padding=0,
-                    max_model_len=None, padding_len=1) -> StepFields:
+                    max_model_len=None, padding_len=1, is_prefill=False) -> StepFields:
         self.step_seqs = list(seqs)
         pages = [self.pages[seq.seq_id] for seq in seqs]
         entries = [table[pos // PAGE] * PAGE + pos % PAGE

@@ -136,7 +136,9 @@ def slot_state(engine, seq) -> list[torch.Tensor]:
 
 def test_restored_state_is_bit_equal_to_recomputed(checkpoint):
     """The state copied into a new sequence's slot at a hit equals, bit for bit, the state
-    after the same prefix computed afresh (chunk by chunk, as the cache computed it)."""
+    after the same prefix computed afresh by another engine: one step of its 48 tokens,
+    whose recurrent layers pass the same boundaries (16, 32) as the 70-token step that saved
+    the checkpoint, so they run the same pieces."""
     prompt, other = random_prompts([70, 12], seed=8)
     llm = LLM(checkpoint, **ENGINE, **CACHED, async_scheduling=False)
     llm.generate([prompt], greedy(2), use_tqdm=False)
@@ -148,15 +150,58 @@ def test_restored_state_is_bit_equal_to_recomputed(checkpoint):
     engine.abort(seq.request_id)
     assert_cache_free(llm)
 
-    fresh = LLM(checkpoint, **ENGINE, **OFF, async_scheduling=False,
-                max_num_batched_tokens=BLOCK).engine
+    fresh = LLM(checkpoint, **ENGINE, **CACHED, async_scheduling=False,
+                max_num_batched_tokens=48).engine
     seq = fresh.add_request(prompt[:48] + other, greedy(2))
-    for _ in range(3):  # 16 tokens a step, as the cache-on engine computed the prefix
-        fresh.step()
+    fresh.step()
     assert seq.num_computed_tokens == 48
     recomputed = slot_state(fresh, seq)
     assert all(torch.equal(a, b) for a, b in zip(restored, recomputed))
     assert any(a.abs().sum() > 0 for a in restored)
+
+
+def test_checkpoints_do_not_cut_prefill_chunks(checkpoint):
+    """A prompt passing four checkpoint boundaries is computed in one step, in eager mode
+    (``needs_eager``), its recurrent layers saving a checkpoint at each boundary on the way
+    (``CheckpointRounds``); the next request finds all four."""
+    prompt, other = random_prompts([70, 12], seed=9)
+    llm = LLM(checkpoint, **ENGINE, **CACHED, async_scheduling=False)
+    engine = llm.engine
+    seq = engine.add_request(prompt, greedy(2))
+    pool = engine.cache.pools["recurrent_slot"]
+    assert engine.cache.needs_eager(seq, len(prompt))
+    engine.step()
+    assert seq.num_computed_tokens == len(prompt)  # one step, not cut at 16, 32, 48, 64
+    while engine.has_unfinished():
+        engine.step()
+    assert pool.checkpoints.num_saved == 4
+    for prefix in (16, 32, 48, 64):
+        probe = engine.add_request(prompt[:prefix] + other, greedy(1))
+        assert pool.longest_prefix(probe, prefix) == prefix
+        engine.abort(probe.request_id)
+
+
+def test_rounds_plan():
+    """Pieces of each round, the rows they compute and the saves after them."""
+    from qllm.cache.checkpoint_rounds import CheckpointRounds
+
+    # sequence 0: positions 10..49 in slot 3, saves after 16 and 32 (rows 7, 8); sequence 1:
+    # positions 0..7 in slot 5, a save at its end (row 9); sequence 2: none
+    plan = CheckpointRounds.plan([3, 5, 6], [10, 0, 4], [50, 8, 6], [True, False, True],
+                                 [[(16, 7), (32, 8)], [(8, 9)], []])
+    first, second, third = plan.rounds
+    assert first.rows == list(range(0, 6)) + list(range(40, 48)) + [48, 49]
+    assert (first.query_lens, first.context_lens, first.slots) == ([6, 8, 2], [10, 0, 4],
+                                                                    [3, 5, 6])
+    assert first.has_state == [True, False, True]
+    assert (first.save_slots, first.save_rows) == ([3, 5], [7, 9])
+    assert second.rows == list(range(6, 22)) and second.has_state == [True]
+    assert (second.save_slots, second.save_rows) == ([3], [8])
+    assert third.rows == list(range(22, 40)) and third.save_rows == []
+    # saves at chunk ends only: one round over the whole step
+    (whole,) = CheckpointRounds.plan([1, 2], [0, 16], [16, 20], [False, True],
+                                     [[(16, 4)], []]).rounds
+    assert whole.rows is None and whole.save_rows == [4] and whole.query_lens == [16, 4]
 
 
 def test_metrics_render_the_prefix_cache_counters(checkpoint):

@@ -37,9 +37,6 @@ class FakeRegistry:
     def reserve(self, seq, n):
         return self.pool.reserve(seq, n)
 
-    def limit_chunk(self, seq, n):
-        return self.pool.limit_chunk(seq, n)
-
     def step_launched(self, seqs, is_prefill):
         self.pool.step_launched(seqs, is_prefill)
 

@@ -115,10 +115,10 @@ class CachePool(abc.ABC):
     def forget_prefix(self, block_hash: int) -> None:
         """The prefix ending with the block of hash ``block_hash`` is no longer cached."""
 
-    def limit_chunk(self, seq: Sequence, num_tokens: int) -> int:
-        """How many of the ``num_tokens`` tokens the scheduler means to compute for ``seq``
-        in one prefill step it may compute (e.g. stopping at a state checkpoint)."""
-        return num_tokens
+    def needs_eager(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether a prefill step computing ``seq``'s next ``num_tokens`` tokens must run
+        eagerly, not as a captured graph (e.g. its layers save state as they go)."""
+        return False
 
     def step_launched(self, seqs: list[Sequence], is_prefill: bool) -> None:
         """Called right after a step of ``seqs`` is queued on the device (their
@@ -151,8 +151,9 @@ class CachePool(abc.ABC):
     @abc.abstractmethod
     def step_fields(self, seqs: list[Sequence], context_lens: list[int], seq_lens: list[int],
                     num_padding: int = 0, max_model_len: int | None = None,
-                    padding_len: int = 1) -> StepFields:
-        """This kind's batch fields of one step, staged by the runner with the common ones.
+                    padding_len: int = 1, is_prefill: bool = False) -> StepFields:
+        """This kind's batch fields of one step (a prefill step if ``is_prefill``), staged
+        by the runner with the common ones.
 
         Sequence ``seqs[i]`` computes positions ``context_lens[i] .. seq_lens[i] - 1``; its
         units are reserved. Then ``num_padding`` inert rows follow (a CUDA-graph bucket's):
@@ -163,7 +164,9 @@ class CachePool(abc.ABC):
         With ``max_model_len`` the fields take the fixed shapes of a CUDA graph's static
         inputs, sized for sequences of up to that many tokens (e.g. block tables that wide),
         so every step of a bucket lays out alike; without it they may be sized for this
-        step alone. Names, their order and dtypes must never depend on the step.
+        step alone. Names, their order and dtypes must never depend on the step, except a
+        field given as ``(value, None)``: a host object handed to the batch type as it is,
+        not staged, in an eager step only (one for which ``needs_eager`` said so).
         """
 
     def usage(self) -> float:

@@ -95,7 +95,7 @@ class PagedKVPool(CachePool):
 
     def step_fields(self, seqs: list[Sequence], context_lens: list[int], seq_lens: list[int],
                     num_padding: int = 0, max_model_len: int | None = None,
-                    padding_len: int = 1) -> StepFields:
+                    padding_len: int = 1, is_prefill: bool = False) -> StepFields:
         """``block_tables`` (``max_model_len``'s blocks wide, or the step's longest table's)
         and ``slot_mapping``; see ``PagedKVBatch``."""
         bs, padding, tables = self.block_size, self.padding_unit, self.manager.tables

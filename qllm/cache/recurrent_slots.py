@@ -8,6 +8,7 @@ import torch
 
 from qllm.batch import Sequence
 from qllm.cache.base import CachePool, StepFields
+from qllm.cache.checkpoint_rounds import CheckpointRounds
 from qllm.cache.state_checkpoints import StateCheckpoints
 
 
@@ -22,6 +23,9 @@ class RecurrentSlotBatch:
 
     slots: torch.Tensor              # [B] int64, state slot per sequence (padded rows: padding)
     has_initial_state: torch.Tensor  # [B] bool, False where the state starts from zero
+    # prefill: where the step's recurrent layers save states at checkpoint boundaries (run
+    # their recurrence through ``rounds.run``); None when the step saves none
+    rounds: CheckpointRounds | None = None
 
 
 class RecurrentSlotPool(CachePool):
@@ -35,12 +39,12 @@ class RecurrentSlotPool(CachePool):
     owner's state.
 
     With ``num_checkpoints`` rows after the padding slot, prefix caching is exact
-    (``state_checkpoints``): a prefill chunk stops at each checkpoint boundary that has no
-    checkpoint yet (``limit_chunk``), the state in the slot is then copied to a checkpoint
-    row (``step_launched``), and an admitted sequence whose cached KV prefix reaches a
-    checkpoint starts from a copy of it in its own slot (``take_prefix``); the checkpoint
-    itself is never written by a step. Copies are device copies in stream order (outside
-    CUDA graphs: prefill steps and admission run eagerly).
+    (``state_checkpoints``): where a prefill step passes a checkpoint boundary that has no
+    checkpoint yet, the step gets a row for it and the recurrent layers save their state there
+    as they pass it (``RecurrentSlotBatch.rounds``, ``checkpoint_rounds``; such a step runs
+    eagerly, ``needs_eager``); an admitted sequence whose cached KV prefix reaches a
+    checkpoint starts from a copy of it in its own slot (``take_prefix``). A checkpoint is
+    written once, by the step that passes it. Copies are device copies in stream order.
     """
 
     name = "recurrent_slot"
@@ -94,33 +98,24 @@ class RecurrentSlotPool(CachePool):
     def forget_prefix(self, block_hash: int) -> None:
         self.checkpoints.forget(block_hash)
 
-    def limit_chunk(self, seq: Sequence, num_tokens: int) -> int:
-        """Stop the chunk at the first checkpoint boundary inside it that has none yet."""
-        if not self.prefix_caching:
-            return num_tokens
-        start = seq.num_computed_tokens
-        bs = self.checkpoints.block_size
-        for end in range((start // bs + 1) * bs, start + num_tokens, bs):
-            if not self.checkpoints.is_boundary(seq, end):
-                continue
-            if self.checkpoints.find(seq, end) is None:
-                return end - start
-        return num_tokens
+    def needs_eager(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether computing ``seq``'s next ``num_tokens`` prefill tokens saves a checkpoint
+        (which a captured graph would not)."""
+        return bool(self._saves(seq, seq.num_computed_tokens, seq.num_computed_tokens
+                                + num_tokens, claim=False))
 
-    def step_launched(self, seqs: list[Sequence], is_prefill: bool) -> None:
-        """Save the state of each sequence whose prefill chunk ended at a boundary."""
-        if not (self.prefix_caching and is_prefill):
-            return
-        sources, rows = [], []
-        for seq in seqs:
-            end = seq.num_computed_tokens
-            if self.checkpoints.is_boundary(seq, end):
-                row = self.checkpoints.add(seq, end)
-                if row is not None:
-                    sources.append(self.slots[seq.seq_id])
-                    rows.append(row)
-        if rows:
-            self._copy(sources, rows)
+    def _saves(self, seq: Sequence, start: int, end: int, claim: bool) -> list[tuple[int, int]]:
+        """The checkpoint boundaries ``b`` in ``(start, end]`` of ``seq`` with no checkpoint
+        yet, as ``(b, row)``; with ``claim``, each gets its row (``StateCheckpoints.add``; row
+        -1 without)."""
+        if not self.prefix_caching:
+            return []
+        bs = self.checkpoints.block_size
+        saves = []
+        for b in range((start // bs + 1) * bs, end + 1, bs):
+            if self.checkpoints.is_boundary(seq, b) and self.checkpoints.find(seq, b) is None:
+                saves.append((b, self.checkpoints.add(seq, b) if claim else -1))
+        return saves
 
     @torch.no_grad()
     def _copy(self, sources: list[int], targets: list[int]) -> None:
@@ -167,10 +162,25 @@ class RecurrentSlotPool(CachePool):
 
     def step_fields(self, seqs: list[Sequence], context_lens: list[int], seq_lens: list[int],
                     num_padding: int = 0, max_model_len: int | None = None,
-                    padding_len: int = 1) -> StepFields:
-        """``slots`` and ``has_initial_state``; see ``RecurrentSlotBatch``."""
+                    padding_len: int = 1, is_prefill: bool = False) -> StepFields:
+        """``slots``, ``has_initial_state`` and, in a prefill step that passes checkpoint
+        boundaries with none yet, ``rounds`` (each boundary's row claimed here); see
+        ``RecurrentSlotBatch``."""
         held = self.slots
         slots = [held[seq.seq_id] for seq in seqs] + [self.padding_unit] * num_padding
         has_initial_state = [start > 0 for start in context_lens] + [False] * num_padding
-        return {"slots": (slots, torch.int64),
-                "has_initial_state": (has_initial_state, torch.bool)}
+        fields = {"slots": (slots, torch.int64),
+                  "has_initial_state": (has_initial_state, torch.bool)}
+        if is_prefill and self.prefix_caching:
+            saves = [self._saves(seq, start, end, claim=True)
+                     for seq, start, end in zip(seqs, context_lens, seq_lens)]
+            if any(saves):
+                # a row claimed twice in this step (evicted for a later boundary) keeps the
+                # later save alone: one step never writes a row twice
+                last = {row: (i, b) for i, seq_saves in enumerate(saves) for b, row in seq_saves}
+                saves = [[(b, row) for b, row in seq_saves if last[row] == (i, b)]
+                         for i, seq_saves in enumerate(saves)]
+                rounds = CheckpointRounds.plan(slots, context_lens, seq_lens,
+                                               has_initial_state, saves)
+                fields["rounds"] = (rounds, None)
+        return fields

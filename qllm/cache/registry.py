@@ -155,12 +155,10 @@ class CacheRegistry:
         self.prefix_recomputed_tokens += found - prefix
         return prefix
 
-    def limit_chunk(self, seq: Sequence, num_tokens: int) -> int:
-        """How many of ``num_tokens`` prefill tokens ``seq`` may compute in one step (a
-        chunk stops where a pool keeps a checkpoint)."""
-        for pool in self.pools.values():
-            num_tokens = pool.limit_chunk(seq, num_tokens)
-        return num_tokens
+    def needs_eager(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether a prefill step computing ``seq``'s next ``num_tokens`` tokens must run
+        eagerly (``CachePool.needs_eager``)."""
+        return any(pool.needs_eager(seq, num_tokens) for pool in self.pools.values())
 
     def step_launched(self, seqs: list[Sequence], is_prefill: bool) -> None:
         """A step of ``seqs`` is queued on the device; before the next one is built."""

@@ -308,8 +308,8 @@ def warm_up_prefill_sizes(full: int) -> list[int]:
     and sort (one program up to 512 tokens), the GDN recurrence up to 512 tokens and fla's
     chunked kernels above (its L2 norm tuned per 4,096 tokens at 16 heads). The odd sizes
     put a count that is not a multiple of 16 into every such range, and reach the ranges
-    between powers of two: a step of 2,024 tokens (the hybrid prefix cache's chunks stop at
-    KV block boundaries) would otherwise compile the MoE sort while serving."""
+    between powers of two: a step of 2,024 tokens (the tail of chunked prompts) would
+    otherwise compile the MoE sort while serving."""
     powers = [1 << k for k in range(4, 32) if 1 << k < full]
     halfway = [(3 << k) - 1 for k in range(4, 32) if (3 << k) - 1 < full]
     return [1, 17] + sorted(powers + halfway)

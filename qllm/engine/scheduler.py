@@ -16,10 +16,9 @@ class Scheduler:
     its computed, cached and pending token counts).
 
     Each step is a prefill step when some prompt still needs computing and fits, otherwise a
-    decode step over every running sequence. A prefill chunk also stops where a cache pool
-    asks (``CacheRegistry.limit_chunk``: a recurrent-state checkpoint boundary). When the
-    cache cannot grow a running sequence, the most recently admitted sequence is preempted:
-    its cache is freed and it returns to the head of the queue, to be recomputed (prompt plus
+    decode step over every running sequence. When the cache cannot grow a running sequence,
+    the most recently admitted sequence is preempted: its cache is freed and it returns to the
+    head of the queue, to be recomputed (prompt plus
     generated tokens) when there is room.
 
     A step is ``schedule`` (the batch), then, once the batch is queued on the device,
@@ -56,7 +55,7 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.status == SequenceStatus.RUNNING and seq.num_uncomputed_tokens > 1:
-                n = self.cache.limit_chunk(seq, min(seq.num_uncomputed_tokens, budget))
+                n = min(seq.num_uncomputed_tokens, budget)
                 if self._reserve_or_preempt(seq, n):
                     seqs.append(seq)
                     counts.append(n)
@@ -73,7 +72,7 @@ class Scheduler:
             if n > budget and not self.chunked_prefill and seqs:
                 self._release(seq)  # the whole prompt goes in a later step
                 break
-            n = self.cache.limit_chunk(seq, min(n, budget) if self.chunked_prefill else n)
+            n = min(n, budget) if self.chunked_prefill else n
             if not self.cache.reserve(seq, n):
                 self._release(seq)
                 break

@@ -182,7 +182,8 @@ class ModelRunner:
             graph.padding(len(scheduled), query_start_loc[-1])
         max_model_len = self.config.max_model_len if fixed_layout else None
         cache_fields = {name: pool.step_fields(scheduled.seqs, context_lens, seq_lens,
-                                               num_padding, max_model_len, padding_len)
+                                               num_padding, max_model_len, padding_len,
+                                               scheduled.is_prefill)
                         for name, pool in self.pools}
         if num_padding:  # inert rows of a CUDA-graph bucket, each sampling its last token
             padding_positions = list(range(padding_len)) * num_padding
@@ -223,7 +224,11 @@ class ModelRunner:
         """The device half of ``prepare``: stage ``inputs`` in one copy and build the
         ``ForwardBatch``; pending input tokens come from ``pending_tokens`` (the device tokens
         of the step before)."""
-        staged, tensors, layout = stage(inputs.fields, self.device)
+        # a field of dtype None is a host object (CachePool.step_fields), not staged
+        staged, tensors, layout = stage({name: field for name, field in inputs.fields.items()
+                                         if field[1] is not None}, self.device)
+        tensors.update({name: value for name, (value, dtype) in inputs.fields.items()
+                        if dtype is None})
         caches = {name: pool.batch_type(**{field: tensors[f"{name}.{field}"]
                                            for field in inputs.cache_fields[name]})
                   for name, pool in self.pools}
@@ -307,7 +312,8 @@ class ModelRunner:
         """The captured shape that ``scheduled`` runs in, or None to run the layers as they
         are: a decode batch of at most the largest decode bucket; a prefill step of one
         sequence, without media or a pending input token, whose prompt it completes in at
-        most the largest prefill bucket's tokens."""
+        most the largest prefill bucket's tokens, and that no cache kind needs eager
+        (``CacheRegistry.needs_eager``: a state checkpoint saved on the way)."""
         if not scheduled.is_prefill:
             size = self.graphs.bucket(len(scheduled)) if self.graphs is not None else None
             return None if size is None else GraphShape(False, size)
@@ -315,8 +321,9 @@ class ModelRunner:
             return None
         seq, num_tokens = scheduled.seqs[0], scheduled.num_tokens[0]
         if seq.multimodal is not None or seq.num_pending_tokens \
-                or seq.num_computed_tokens + num_tokens != len(seq):
-            return None  # media rows, a pending input, or a chunk that samples nothing
+                or seq.num_computed_tokens + num_tokens != len(seq) \
+                or self.cache.needs_eager(seq, num_tokens):
+            return None  # media rows, a pending input, a chunk that samples nothing, saves
         size = self.prefill_graphs.bucket(num_tokens)
         return None if size is None else GraphShape(True, size)
 

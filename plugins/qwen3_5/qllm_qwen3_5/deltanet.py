@@ -178,6 +178,19 @@ class GatedDeltaNet(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``hidden [T, H]`` -> ``[T, H]``."""
         qkv, z, b, a = self.in_proj.split(self.in_proj(hidden))
+        rounds = batch.caches["recurrent_slot"].rounds if batch.is_prefill else None
+        if rounds is None:
+            out = self._recurrence(qkv, a, b, batch)  # [T, Hv, dv]
+        else:  # the step saves state checkpoints inside its chunks (qllm.cache.checkpoint_rounds)
+            out = rounds.run(self._recurrence, (qkv, a, b), batch,
+                             (self.conv_state, self.ssm_state))
+        out = self.norm(out, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
+        return self.out_proj(out.flatten(-2))
+
+    def _recurrence(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    batch: ForwardBatch) -> torch.Tensor:
+        """The conv and the gated delta rule of ``batch``'s tokens, from and into the states of
+        its slots: ``qkv [T, conv_dim]``, ``a, b [T, Hv]`` -> ``[T, Hv, dv]``."""
         conv_weight = self.conv1d.weight[:, 0, :]  # [C, K]
         if batch.is_prefill:  # each of q, k, v contiguous, as chunked kernels read them
             q, k, v = self._conv_prefill(qkv, conv_weight, self.conv_state, batch,
@@ -188,8 +201,5 @@ class GatedDeltaNet(nn.Module):
         q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))  # [T, Hk, dk]
         k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))  # [T, Hk, dk]
         v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))  # [T, Hv, dv]
-
         gdn = self._gdn_prefill if batch.is_prefill else self._gdn_decode
-        out = gdn(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, batch)  # [T, Hv, dv]
-        out = self.norm(out, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
-        return self.out_proj(out.flatten(-2))
+        return gdn(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, batch)
