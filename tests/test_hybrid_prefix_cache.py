@@ -11,6 +11,7 @@ import torch
 
 from qllm import LLM, SamplingParams
 from qllm.testing import assert_cache_free, random_prompts
+from qllm.testing.kernels import cuda
 
 qwen3_5_testing = pytest.importorskip("qllm_qwen3_5.testing")
 
@@ -85,6 +86,22 @@ def test_greedy_tokens_equal_the_cache_off_run(checkpoint, options):
         # grid); system[:64]'s KV hit of 48 falls back to the checkpoint at 32
         assert cached[7] == 32 and stats["recomputed_tokens"] >= 16
     assert_cache_free(llm)
+
+
+@cuda
+def test_greedy_tokens_equal_the_cache_off_run_on_cuda(checkpoint):
+    """The same on the GPU kernels, fp32: a 608-token shared prefix whose checkpoint (every
+    38 blocks) the first request saves in a round of 608 tokens (fla's chunked rule, above
+    the recurrent kernel's 512) before a round of its own 9; the others hit it."""
+    system, *suffixes = random_prompts([608, 9, 30, 17, 50], seed=10)
+    prompts = [system + s for s in suffixes]
+    params = greedy(12)
+    settings = dict(ENGINE, max_model_len=1024, num_kv_blocks=320, device="cuda",
+                    dtype=torch.float32, prefix_state_interval_blocks=38)
+    expected = serve(LLM(checkpoint, **settings, **OFF), prompts, params)
+    outputs = serve(LLM(checkpoint, **settings, **CACHED), prompts, params)
+    assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in expected]
+    assert [o["num_cached_tokens"] for o in outputs[1:]] == [608] * 3
 
 
 def test_off_by_default_for_hybrid_models(checkpoint):
