@@ -40,6 +40,8 @@
 #   W2 / W3 with 8-bit weights (qllm-kernels-int8; w2-int8-experts: on the experts alone); w2-prefix-cache: W2 (no shared
 #   prefixes) with the hybrid prefix cache on (64 state checkpoints); prefix-cache:
 #   prefix_cache.py (64 requests sharing a 4,000-token prompt, cache off then on);
+#   prefix-cache-tests: the hybrid prefix cache's CUDA test (cache on vs off, fp32, a
+#   checkpoint saved in a 608-token round through fla);
 #   int8-tests: that plugin's kernel, accuracy and weight-format tests; config-tests: the Qwen3.5 config variants (a shared
 #   expert of another size) on CUDA; profile-w1/w2/w3,
 #   profile-w1-prefill, profile-w2-prefill: profile_step.py;
@@ -165,6 +167,8 @@ for stage in "$@"; do
                              --max-num-seqs 200 --max-model-len 3072 --recurrent-state-dtype \
                              bfloat16 --prefix-state-cache-slots 64 ;;
         prefix-cache) run prefix_cache 300 python3 benchmarks/prefix_cache.py ;;
+        prefix-cache-tests) run prefix_cache_tests 200 python3 -m pytest $PYTEST_GPU \
+                                tests/test_hybrid_prefix_cache.py -k cuda ;;
         w2-peer) run w2_peer 200 python3 benchmarks/throughput.py --workload w2 \
                      --engine transformers --peer-prompts 32 --peer-batch 32 \
                      --peer-max-tokens 200 ;;
