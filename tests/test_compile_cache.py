@@ -51,18 +51,21 @@ LAUNCH = """
 import json, sys
 from qllm import LLM, SamplingParams
 llm = LLM(sys.argv[1], compile_on_cpu=True, compile_cache_dir=sys.argv[2] or None,
-          max_num_seqs=2, block_size=16, max_model_len=64, max_num_batched_tokens=64)
+          max_num_seqs=2, block_size=16, max_model_len=64, max_num_batched_tokens=64,
+          num_kv_blocks=int(sys.argv[3]) if sys.argv[3] else None)
 params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 out = llm.generate([[5, 6, 7]], params, use_tqdm=False)
 print(json.dumps({"startup": llm.engine.startup.summary(), "tokens": out[0]["token_ids"]}))
 """
 
 
-def launch(model_dir: str, env: dict[str, str], compile_cache_dir: str = "") -> dict:
+def launch(model_dir: str, env: dict[str, str], compile_cache_dir: str = "",
+           num_kv_blocks: int | None = None) -> dict:
     """Start an engine in a fresh process (this one's import path, ``env`` on top of this
-    environment); returns what ``LAUNCH`` printed."""
+    environment; ``num_kv_blocks`` or the default); returns what ``LAUNCH`` printed."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **env}
-    done = subprocess.run([sys.executable, "-c", LAUNCH, model_dir, compile_cache_dir],
+    done = subprocess.run([sys.executable, "-c", LAUNCH, model_dir, compile_cache_dir,
+                           str(num_kv_blocks or "")],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -76,8 +79,10 @@ def cold_launch(qwen3_dir, tmp_path_factory):
 
 
 def test_second_launch_loads_compiled_graphs_from_the_cache(qwen3_dir, cold_launch):
+    """Every graph hits, with another KV block count too (a launch's count follows the free
+    memory): the cache's sizes are symbolic in the compiled layers."""
     root, cold = cold_launch
-    warm = launch(qwen3_dir, {"QLLM_CACHE_DIR": root})
+    warm = launch(qwen3_dir, {"QLLM_CACHE_DIR": root}, num_kv_blocks=13)
     assert cold["startup"]["compile_cache"]["state"] == "cold", cold["startup"]
     assert warm["startup"]["compile_cache"]["state"] == "warm", warm["startup"]
     compiled = cold["startup"]["compile_cache"]["lookups"]["fx_graph"]["misses"]

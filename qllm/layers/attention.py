@@ -53,8 +53,11 @@ class PagedAttention(nn.Module):
                                 {"k": self.cache_dtype, "v": self.cache_dtype})
 
     def attach_cache(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.register_buffer("k_cache", tensors["k"], persistent=False)
-        self.register_buffer("v_cache", tensors["v"], persistent=False)
+        # Plain attributes, not buffers: torch.compile takes a module buffer's shape as
+        # static, so the compiled decode layers (and their compile-cache entries) would be
+        # keyed to this launch's block count, which follows the free memory; as attributes
+        # their sizes are symbolic, and a launch with another block count hits the cache.
+        self.k_cache, self.v_cache = tensors["k"], tensors["v"]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:

@@ -8,6 +8,7 @@ import logging
 import time
 
 import torch
+import torch.fx.experimental._config
 
 from qllm.batch import ForwardBatch, ScheduledBatch, Sequence
 from qllm.cache.registry import CacheRegistry
@@ -458,6 +459,11 @@ class ModelRunner:
         # guarded entry to the one shared code object; dynamo's default limit of 8 is too few.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    RECOMPILE_LIMIT)
+        # No duck sizing: with it, two sizes that happen to be equal at trace time share one
+        # symbol (e.g. the KV cache's block count and a staged field's offset), so what a
+        # compiled graph is, and its compile-cache key, changes with the launch's block
+        # count, which follows the free memory; each size keeps its own symbol instead.
+        torch.fx.experimental._config.use_duck_shape = False
         options = {"max_autotune_gemm": True} if self.config.max_autotune_gemm else None
         for layer in self.model.decoder_layers():
             layer.compile(dynamic=True, fullgraph=True, options=options)
