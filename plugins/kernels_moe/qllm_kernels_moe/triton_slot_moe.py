@@ -17,7 +17,8 @@ entry with ``BLOCK_M == 1``) with ``x [T, H]``, ``topk_ids [T, k]`` (``S = T * k
 An expert hit by several slots is read once per slot (from L2 after the first), so the path
 pays only while slots rarely share experts: the tuner decides up to which token count.
 Products are accumulated over ``[BLOCK_N, BLOCK_K]`` tiles in fp32 and reduced once per row at
-the end. No host syncs: capturable in a CUDA graph.
+the end. No host syncs: capturable in a CUDA graph. ``triton_slot_fused`` runs both GEMVs in
+one launch instead (opt-in, ``QLLM_MOE_SLOT=fused``).
 """
 
 from __future__ import annotations
