@@ -1,11 +1,17 @@
 """Random Gated DeltaNet inputs for the parity tests and the benchmark, laid out as the model
 layer hands them to the ops (``qllm_qwen3_5.deltanet``): the conv input is a column slice of the
 fused input projection, ``q, k, v`` are views into the conv output, the gate inputs ``a, b`` are
-column slices of the projection's last columns."""
+column slices of the projection's last columns. And the fused decode kernel compiled for sm_90
+without a GPU, with its registers and spills (``compile_fused_decode``, ``resource_usage``)."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -143,3 +149,152 @@ def norm_inputs(tokens: int, heads: int, dim: int, dtype: torch.dtype, device: s
     gate = projection.to(device, dtype)[:, heads * dim:2 * heads * dim].unflatten(-1, (heads, dim))
     weight = (1 + 0.1 * torch.randn(dim, generator=generator)).to(device, dtype)
     return x, gate, weight
+
+
+@dataclass
+class FusedDecodeInputs:
+    """The ``gdn_decode_fused`` op's inputs as the layer hands them over: ``x [B, C]``, ``z [B,
+    Hv, dv]``, ``b, a [B, Hv]`` column slices of one projection output ``[q | k | v | z | b |
+    a]``; ``weight [C, K]``, stale-filled ``conv_state`` and ``ssm_state`` in the models'
+    layouts (or contiguous), ``A_log, dt_bias [Hv]`` fp32, ``norm_weight [dv]`` and ``eps``."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    conv_state: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    ssm_state: torch.Tensor
+    z: torch.Tensor
+    norm_weight: torch.Tensor
+    eps: float
+    batch: ForwardBatch
+
+    def args(self) -> tuple:
+        """Positional arguments of ``gdn_decode_fused``."""
+        return (self.x, self.weight, self.conv_state, self.a, self.b, self.A_log, self.dt_bias,
+                self.ssm_state, self.z, self.norm_weight, self.eps, self.batch)
+
+
+def fused_decode_inputs(batch: ForwardBatch, geometry: GDNGeometry, num_slots: int,
+                        dtype: torch.dtype, state_dtype: torch.dtype, seed: int = 0,
+                        contiguous_state: bool = False,
+                        conv_state_dtype: torch.dtype | None = None) -> FusedDecodeInputs:
+    """``gdn_decode_fused`` inputs for ``batch``'s one-token rows, on its device; the SSM state
+    in ``state_dtype``, the conv state in ``conv_state_dtype`` (default the same)."""
+    conv = conv_inputs(batch, geometry, num_slots, dtype, conv_state_dtype or state_dtype, seed,
+                       contiguous_state)
+    gdn = gdn_inputs(batch, geometry, num_slots, dtype, state_dtype, seed, contiguous_state)
+    hv, dv = geometry.num_v_heads, geometry.head_v_dim
+    gen = torch.Generator(device=conv.x.device).manual_seed(seed + 1)
+    projection = torch.randn(conv.x.shape[0], geometry.conv_dim + hv * dv + 2 * hv,
+                             generator=gen, device=conv.x.device).to(dtype)
+    x, z, b, a = projection.split([geometry.conv_dim, hv * dv, hv, hv], dim=-1)
+    norm_weight = (1 + 0.1 * torch.randn(dv, generator=gen, device=conv.x.device)).to(dtype)
+    return FusedDecodeInputs(x=x, weight=conv.weight, conv_state=conv.conv_state, a=a, b=b,
+                             A_log=gdn.A_log, dt_bias=gdn.dt_bias, ssm_state=gdn.ssm_state,
+                             z=z.unflatten(-1, (hv, dv)), norm_weight=norm_weight, eps=1e-6,
+                             batch=batch)
+
+
+# ----------------------------------------------------------------------------- offline sm_90
+
+RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+def sm90_compiler_missing() -> str | None:
+    """Why the installed Triton cannot compile and disassemble for sm_90 here (``None`` when it
+    can); the interpreter (``TRITON_INTERPRET=1``) compiles nothing."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "the Triton interpreter is on: nothing compiles"
+    try:
+        import triton
+        from triton import knobs
+        from triton._C.libtriton import native_specialize_impl  # noqa: F401
+        from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+
+        cuobjdump = knobs.nvidia.cuobjdump.path
+    except (ImportError, AttributeError, RuntimeError) as error:
+        return f"this Triton cannot compile for sm_90 offline: {error!r}"
+    if not cuobjdump:
+        return f"triton {triton.__version__} has no cuobjdump"
+    return None
+
+
+def compile_for_sm90(kernel, args: dict, options: dict):
+    """``kernel`` (a ``triton.jit`` function) compiled for sm_90 with ``args`` (every parameter
+    by name; tensors may be on the ``meta`` device), specialized as a launch with those values
+    would be (16-byte alignment, integers equal to 1 or divisible by 16)."""
+    import inspect
+
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import ASTSource
+
+    parameters = inspect.signature(kernel.fn).parameters
+    signature, constexprs, attrs = {}, {}, {}
+    for index, name in enumerate(kernel.arg_names):
+        value = args[name]
+        if "constexpr" in str(parameters[name].annotation):
+            signature[name], constexprs[(index,)] = "constexpr", value
+            continue
+        specialize = index not in kernel.do_not_specialize
+        kind, spec = native_specialize_impl(BaseBackend, value, False, specialize, specialize)
+        signature[name] = kind
+        if kind == "constexpr":
+            constexprs[(index,)] = spec
+        elif spec == "D":
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def resource_usage(compiled) -> dict:
+    """Registers per thread, spill bytes (stack + local) and shared memory of a compiled
+    kernel, from ``cuobjdump --dump-resource-usage``."""
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(compiled.asm["cubin"])
+        dump = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(path)],
+                              capture_output=True, text=True, check=True).stdout
+    registers, stack, _, local = map(int, RESOURCES.search(dump).groups())
+    return dict(registers=registers, spill_bytes=stack + local,
+                shared=compiled.metadata.shared)
+
+
+def compile_fused_decode(geometry: GDNGeometry, num_seqs: int, dtype: torch.dtype,
+                         state_dtype: torch.dtype, heads: int | None = None,
+                         num_warps: int | None = None, contiguous_state: bool = False):
+    """The fused decode kernel for ``num_seqs`` sequences at ``geometry`` compiled for sm_90
+    (meta tensors laid out as the layer's), at ``heads`` per tile and ``num_warps`` or the
+    launch rule's; returns ``(compiled, heads, num_warps)``."""
+    from qllm_kernels_gdn.triton_fused_decode import (_fused_decode_kernel, launch_args,
+                                                      launch_config)
+
+    hk, hv, dk, dv = (geometry.num_k_heads, geometry.num_v_heads, geometry.head_k_dim,
+                      geometry.head_v_dim)
+    slots, channels, width = 256, geometry.conv_dim, geometry.conv_kernel
+
+    def meta(*shape, dtype=dtype):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    projection = meta(num_seqs, channels + hv * dv + 2 * hv)
+    x, z, b, a = projection.split([channels, hv * dv, hv, hv], dim=-1)
+    ssm_state = (meta(slots + 1, hv, dk, dv, dtype=state_dtype) if contiguous_state
+                 else meta(slots + 1, hv, dv, dk, dtype=state_dtype).transpose(-1, -2))
+    args = launch_args(
+        x, meta(channels, 1, width)[:, 0, :],
+        meta(slots + 1, width - 1, channels, dtype=state_dtype).transpose(1, 2), a, b,
+        meta(hv, dtype=torch.float32), meta(hv, dtype=torch.float32), ssm_state,
+        z.unflatten(-1, (hv, dv)), meta(dv), 1e-6, meta(num_seqs, dtype=torch.int64),
+        meta(num_seqs, dtype=torch.bool), meta(num_seqs, hv, dv), 0)
+    default_heads, default_warps = launch_config(num_seqs, hk, hv // hk, dk, dv, state_dtype)
+    heads, num_warps = heads or default_heads, num_warps or default_warps
+    args["HEADS"] = heads
+    return (compile_for_sm90(_fused_decode_kernel, args, dict(num_warps=num_warps)), heads,
+            num_warps)
