@@ -56,7 +56,8 @@ class PagedAttention(nn.Module):
         # Plain attributes, not buffers: torch.compile takes a module buffer's shape as
         # static, so the compiled decode layers (and their compile-cache entries) would be
         # keyed to this launch's block count, which follows the free memory; as attributes
-        # their sizes are symbolic, and a launch with another block count hits the cache.
+        # their sizes are symbolic, and a launch with another block count hits the cache
+        # (tests/test_compile_cache.py).
         self.k_cache, self.v_cache = tensors["k"], tensors["v"]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

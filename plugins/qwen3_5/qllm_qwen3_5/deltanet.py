@@ -169,14 +169,16 @@ class GatedDeltaNet(nn.Module):
             {"conv": self.conv_dtype, "ssm": self.ssm_dtype})
 
     def attach_cache(self, tensors: dict[str, torch.Tensor]) -> None:
+        # Plain attributes, not buffers, as qllm.layers.attention's cache: their slot count
+        # (max_num_seqs, prefix-state checkpoints) stays symbolic in the compiled layers.
         # The ops take conv_state as [S+1, C, K-1]; stored taps-outer, each tap's channels are
         # contiguous, so a kernel walking channels reads and writes each tap coalesced.
         conv_state = tensors["conv"].transpose(1, 2)  # [S+1, C, K-1], channel stride 1
-        self.register_buffer("conv_state", conv_state, persistent=False)
+        self.conv_state = conv_state
         # The ops take ssm_state as [S+1, Hv, dk, dv]; stored value-major, the [dk, BV] tile a
         # decode program updates is one contiguous block of BV rows of dk.
         ssm_state = tensors["ssm"].transpose(-1, -2)  # [S+1, Hv, dk, dv], key stride 1
-        self.register_buffer("ssm_state", ssm_state, persistent=False)
+        self.ssm_state = ssm_state
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``hidden [T, H]`` -> ``[T, H]``."""
