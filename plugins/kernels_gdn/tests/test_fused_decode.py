@@ -335,12 +335,20 @@ def test_fused_triton_interpreter():
 
 @interpreted
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
-@pytest.mark.parametrize("has_state", ["fresh", "mixed", "all"])
 @pytest.mark.parametrize("batch", TINY_DECODE.values(), ids=TINY_DECODE.keys())
 @pytest.mark.parametrize("geometry", TINY_GEOMETRIES.values(), ids=TINY_GEOMETRIES.keys())
-def test_interpreted_fused_decode(geometry, batch, has_state, state_dtype):
-    check_fused_decode(geometry, *batch, has_state, torch.float32, state_dtype, TINY_SLOTS,
+def test_interpreted_fused_decode(geometry, batch, state_dtype):
+    """Every geometry and batch with some sequences fresh and some carrying state."""
+    check_fused_decode(geometry, *batch, "mixed", torch.float32, state_dtype, TINY_SLOTS,
                        "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
+@pytest.mark.parametrize("has_state", ["fresh", "all"])
+def test_interpreted_fused_decode_all_fresh_or_all_carried(has_state, state_dtype):
+    check_fused_decode(TINY_GEOMETRIES["gqa3-dk8-dv16"], *TINY_DECODE["b5-pad2"], has_state,
+                       torch.float32, state_dtype, TINY_SLOTS, "cpu")
 
 
 @interpreted

@@ -37,6 +37,8 @@ def checkpoint(request, tmp_path_factory):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_fused_decode_switch_keeps_tokens(checkpoint, compiled, monkeypatch):
+    if compiled and "next" in checkpoint:  # the same layer code: one compiled model suffices
+        pytest.skip("compiled: Qwen3.5 only (57 s a model on the CI machine)")
     prompts = random_prompts([3, 40, 17, 70], seed=5)
     torch._dynamo.reset()  # four compiled engines in one process would reach its recompile limit
     llm = LLM(checkpoint, **ENGINE, compile_on_cpu=compiled)
