@@ -2,21 +2,17 @@
 layer hands them to the ops (``qllm_qwen3_5.deltanet``): the conv input is a column slice of the
 fused input projection, ``q, k, v`` are views into the conv output, the gate inputs ``a, b`` are
 column slices of the projection's last columns. And the fused decode kernel compiled for sm_90
-without a GPU, with its registers and spills (``compile_fused_decode``, ``resource_usage``)."""
+without a GPU (``compile_fused_decode``; its registers and spills: ``qllm.testing.sm90``)."""
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from qllm.batch import ForwardBatch
 from qllm.testing.batch import recurrent_slot_batch
+from qllm.testing.sm90 import compile_for_sm90
 
 
 @dataclass
@@ -199,73 +195,6 @@ def fused_decode_inputs(batch: ForwardBatch, geometry: GDNGeometry, num_slots: i
 
 
 # ----------------------------------------------------------------------------- offline sm_90
-
-RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
-
-
-def sm90_compiler_missing() -> str | None:
-    """Why the installed Triton cannot compile and disassemble for sm_90 here (``None`` when it
-    can); the interpreter (``TRITON_INTERPRET=1``) compiles nothing."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "the Triton interpreter is on: nothing compiles"
-    try:
-        import triton
-        from triton import knobs
-        from triton._C.libtriton import native_specialize_impl  # noqa: F401
-        from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-
-        cuobjdump = knobs.nvidia.cuobjdump.path
-    except (ImportError, AttributeError, RuntimeError) as error:
-        return f"this Triton cannot compile for sm_90 offline: {error!r}"
-    if not cuobjdump:
-        return f"triton {triton.__version__} has no cuobjdump"
-    return None
-
-
-def compile_for_sm90(kernel, args: dict, options: dict):
-    """``kernel`` (a ``triton.jit`` function) compiled for sm_90 with ``args`` (every parameter
-    by name; tensors may be on the ``meta`` device), specialized as a launch with those values
-    would be (16-byte alignment, integers equal to 1 or divisible by 16)."""
-    import inspect
-
-    import triton
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.compiler import ASTSource
-
-    parameters = inspect.signature(kernel.fn).parameters
-    signature, constexprs, attrs = {}, {}, {}
-    for index, name in enumerate(kernel.arg_names):
-        value = args[name]
-        if "constexpr" in str(parameters[name].annotation):
-            signature[name], constexprs[(index,)] = "constexpr", value
-            continue
-        specialize = index not in kernel.do_not_specialize
-        kind, spec = native_specialize_impl(BaseBackend, value, False, specialize, specialize)
-        signature[name] = kind
-        if kind == "constexpr":
-            constexprs[(index,)] = spec
-        elif spec == "D":
-            attrs[(index,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs),
-                          target=GPUTarget("cuda", 90, 32), options=options)
-
-
-def resource_usage(compiled) -> dict:
-    """Registers per thread, spill bytes (stack + local) and shared memory of a compiled
-    kernel, from ``cuobjdump --dump-resource-usage``."""
-    from triton import knobs
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "kernel.cubin"
-        path.write_bytes(compiled.asm["cubin"])
-        dump = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(path)],
-                              capture_output=True, text=True, check=True).stdout
-    registers, stack, _, local = map(int, RESOURCES.search(dump).groups())
-    return dict(registers=registers, spill_bytes=stack + local,
-                shared=compiled.metadata.shared)
-
 
 def compile_fused_decode(geometry: GDNGeometry, num_seqs: int, dtype: torch.dtype,
                          state_dtype: torch.dtype, heads: int | None = None,

@@ -30,6 +30,7 @@ from qllm.plugins.registry import PluginRegistry  # noqa: E402
 from qllm.testing.kernels import (HAS_TRITON, INTERPRETING, called_ops, cuda,  # noqa: E402
                                   graphs_traced_by, interpreted, interpreter_driver,
                                   run_interpreted_tests)
+from qllm.testing.sm90 import resource_usage, sm90_compiler_missing  # noqa: E402
 from qllm_kernels_gdn import ops, plugin, testing  # noqa: E402
 from qllm_kernels_gdn.testing import (QWEN3_5_35B_A3B, GDNGeometry,  # noqa: E402
                                       fused_decode_inputs, random_batch)
@@ -312,7 +313,7 @@ SASS_CASES = {  # (state dtype, heads per tile, warps): None = the launch rule's
 def test_sm90_compile_without_spills(case):
     """The launch configurations at the Qwen3.5-35B-A3B geometry (bf16 activations, the models'
     layouts) compile for sm_90 offline without register spills (printed with -s)."""
-    missing = testing.sm90_compiler_missing()
+    missing = sm90_compiler_missing()
     if missing:
         pytest.skip(missing)
     import triton
@@ -320,7 +321,7 @@ def test_sm90_compile_without_spills(case):
     state_dtype, heads, num_warps = case
     compiled, heads, num_warps = testing.compile_fused_decode(
         QWEN3_5_35B_A3B, 1, torch.bfloat16, state_dtype, heads, num_warps)
-    usage = testing.resource_usage(compiled)
+    usage = resource_usage(compiled)
     print(f"triton {triton.__version__} {state_dtype} heads={heads} warps={num_warps}: {usage}")
     assert usage["spill_bytes"] == 0, usage
     if None in case[1:]:  # the rule's: its registers fit the warps' share of the SM

@@ -2,96 +2,24 @@
 summary of their code (registers, shared memory, the K loop's instructions, writes into the
 registers of an MMA in flight): what backs the kernels' design in the tests and in
 ``benchmarks/sass_w8a16.py``, for whichever Triton is installed (its code differs between
-versions: see ``triton_w8a16``).
-
-``qllm.testing.triton_launches`` compiles the interpreter tests' launches from their argument
-types alone; a launch on a GPU also specializes pointers (16-byte aligned), integers divisible
-by 16 and integers equal to 1, which decides the loads' vector widths. ``compile_for_sm90``
-applies Triton's own specialization to the argument values (tensors on the ``meta`` device
-are enough).
+versions: see ``triton_w8a16``), through ``qllm.testing.sm90``.
 """
 
 from __future__ import annotations
 
 import collections
-import inspect
-import os
 import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
+from qllm.testing.sm90 import compile_for_sm90, resource_usage, sass_instructions
 from qllm_kernels_int8.gemm_configs import W8A16GemmConfig, swap_ab_config
 
-INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
-RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
-
-def sm90_compiler_missing() -> str | None:
-    """Why the installed Triton cannot compile and disassemble for sm_90 here (``None`` when it
-    can): what ``compile_for_sm90`` and ``sass_summary`` use, checked under 3.6 and 3.7; not
-    under the interpreter (``TRITON_INTERPRET=1``: ``triton.jit`` functions do not compile)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "the Triton interpreter is on: nothing compiles"
-    try:
-        import triton
-        from triton import knobs
-        from triton._C.libtriton import native_specialize_impl  # noqa: F401
-        from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-
-        cuobjdump = knobs.nvidia.cuobjdump.path
-    except (ImportError, AttributeError, RuntimeError) as error:
-        return f"this Triton cannot compile for sm_90 offline: {error!r}"
-    if not cuobjdump:
-        return f"triton {triton.__version__} has no cuobjdump"
-    return None
-
-
-def compile_for_sm90(kernel, args: dict, options: dict):
-    """``kernel`` (a ``triton.jit`` function) compiled for sm_90 with ``args``, every parameter
-    by name (tensors, ints, ``None``, constexpr values), specialized as a launch with those
-    values would be; ``options``: ``num_warps``, ``num_stages``..."""
-    import triton
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.compiler import ASTSource
-
-    parameters = inspect.signature(kernel.fn).parameters
-    signature, constexprs, attrs = {}, {}, {}
-    for index, name in enumerate(kernel.arg_names):
-        value = args[name]
-        if "constexpr" in str(parameters[name].annotation):
-            signature[name], constexprs[(index,)] = "constexpr", value
-            continue
-        specialize = index not in kernel.do_not_specialize
-        kind, spec = native_specialize_impl(BaseBackend, value, False, specialize, specialize)
-        signature[name] = kind
-        if kind == "constexpr":
-            constexprs[(index,)] = spec
-        elif spec == "D":
-            attrs[(index,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs),
-                          target=GPUTarget("cuda", 90, 32), options=options)
-
-
-def _cuobjdump(cubin: bytes, *flags: str) -> str:
-    from triton import knobs
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "kernel.cubin"
-        path.write_bytes(cubin)
-        return subprocess.run([knobs.nvidia.cuobjdump.path, *flags, str(path)],
-                              capture_output=True, text=True, check=True).stdout
-
-
-def k_loop(sass: str) -> list[tuple[str, str]]:
+def k_loop(found: list[tuple[int, str, str]]) -> list[tuple[str, str]]:
     """``(opcode, operands)`` of each instruction of the longest loop holding an MMA (the K
-    loop): from a backward branch's target to the branch."""
-    found = [(int(address, 16), opcode, operands)
-             for address, _, opcode, operands in INSTRUCTION.findall(sass)]
+    loop) among ``found`` (``sass_instructions``): from a backward branch's target to the
+    branch."""
     best: list[tuple[str, str]] = []
     for address, opcode, operands in found:
         target = re.search(r"0x([0-9a-f]+)", operands) if opcode == "BRA" else None
@@ -158,16 +86,12 @@ def sass_summary(compiled) -> dict:
     groups it leaves in flight at its waits (``None`` without ``wgmma``), and how many of its
     instructions write the A registers of an MMA that may be in flight (``in_flight_a_writes``;
     anything but 0 is a race)."""
-    cubin = compiled.asm["cubin"]
-    registers, stack, _, local = map(int, RESOURCES.search(
-        _cuobjdump(cubin, "--dump-resource-usage")).groups())
-    loop = k_loop(_cuobjdump(cubin, "-sass"))
+    loop = k_loop(sass_instructions(compiled))
     opcodes = collections.Counter(op.split(".")[0] for op, _ in loop)
     mma = [(op, operands) for op, operands in loop if "MMA" in op.split(".")[0]]
     waits = [int(m.group(1), 16) for op, operands in loop if op == "WARPGROUP.DEPBAR.LE"
              for m in [re.search(r"gsb0, 0x([0-9a-f]+)", operands)] if m]
-    return dict(registers=registers, spill_bytes=stack + local, shared=compiled.metadata.shared,
-                loop_instructions=len(loop), loop_opcodes=dict(opcodes),
+    return dict(**resource_usage(compiled), loop_instructions=len(loop), loop_opcodes=dict(opcodes),
                 mma=mma[0][0] if mma else None,
                 mma_a_in_registers=bool(mma) and mma[0][1].split(",")[1].strip().startswith("R"),
                 wgmma_in_flight=min(waits) if waits else None,

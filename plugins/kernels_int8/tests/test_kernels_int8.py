@@ -307,10 +307,11 @@ def test_fast_int8_kernels_compile_for_sm90():
 
 def _swap_ab_sass(rows: int, n: int, k: int, fast_int8: bool = True) -> dict:
     """The swap-AB GEMM's code summary, compiled for sm_90 by the installed Triton (skips
-    where that Triton lacks what ``testing.compile_for_sm90`` uses)."""
+    where that Triton lacks what ``qllm.testing.sm90.compile_for_sm90`` uses)."""
+    from qllm.testing.sm90 import sm90_compiler_missing
     from qllm_kernels_int8 import testing
 
-    missing = testing.sm90_compiler_missing()
+    missing = sm90_compiler_missing()
     if missing:
         pytest.skip(missing)
     return testing.sass_summary(testing.compile_swap_ab(rows, n, k, fast_int8=fast_int8))

@@ -5,15 +5,11 @@ whichever Triton is installed (3.6 on the H200's image, 3.7 in CI)."""
 from __future__ import annotations
 
 import collections
-import inspect
-import os
-import re
-import subprocess
-import tempfile
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from qllm.testing.sm90 import compile_for_sm90, resource_usage, sass_instructions
 
 
 class MoeInputs(NamedTuple):
@@ -60,68 +56,6 @@ def moe_inputs(tokens: int, num_experts: int, hidden: int, inter: int, top_k: in
 
 # ----------------------------------------------------------------------------- offline sm_90
 
-RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
-SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
-
-
-def sm90_compiler_missing() -> str | None:
-    """Why the installed Triton cannot compile and disassemble for sm_90 on this machine
-    (``None`` when it can; checked under Triton 3.6 and 3.7); never under the interpreter."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "the Triton interpreter is on: nothing compiles"
-    try:
-        import triton
-        from triton import knobs
-        from triton._C.libtriton import native_specialize_impl  # noqa: F401
-        from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-
-        cuobjdump = knobs.nvidia.cuobjdump.path
-    except (ImportError, AttributeError, RuntimeError) as error:
-        return f"this Triton cannot compile for sm_90 offline: {error!r}"
-    if not cuobjdump:
-        return f"triton {triton.__version__} has no cuobjdump"
-    return None
-
-
-def compile_for_sm90(kernel, args: dict, options: dict):
-    """``kernel`` (a ``triton.jit`` function) compiled for sm_90 with ``args``, every parameter
-    by name (tensors, on ``meta`` or not, ints, constexpr values), specialized as a launch with
-    those values would be (16-byte aligned pointers, integers divisible by 16 or equal to 1);
-    ``options``: ``num_warps``, ``num_stages``."""
-    import triton
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.compiler import ASTSource
-
-    parameters = inspect.signature(kernel.fn).parameters
-    signature, constexprs, attrs = {}, {}, {}
-    for index, name in enumerate(kernel.arg_names):
-        value = args[name]
-        if "constexpr" in str(parameters[name].annotation):
-            signature[name], constexprs[(index,)] = "constexpr", value
-            continue
-        specialize = index not in kernel.do_not_specialize
-        kind, spec = native_specialize_impl(BaseBackend, value, False, specialize, specialize)
-        signature[name] = kind
-        if kind == "constexpr":
-            constexprs[(index,)] = spec
-        elif spec == "D":
-            attrs[(index,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs),
-                          target=GPUTarget("cuda", 90, 32), options=options)
-
-
-def _cuobjdump(cubin: bytes, *flags: str) -> str:
-    from triton import knobs
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "kernel.cubin"
-        path.write_bytes(cubin)
-        return subprocess.run([knobs.nvidia.cuobjdump.path, *flags, str(path)],
-                              capture_output=True, text=True, check=True).stdout
-
-
 def compile_fused_slot(tokens: int, config, num_experts: int = 256, hidden: int = 2048,
                        inter: int = 512, top_k: int = 9, dtype: torch.dtype = torch.bfloat16):
     """The one-launch slot kernel (``triton_slot_fused``) compiled for sm_90 as it would be
@@ -146,13 +80,8 @@ def sass_summary(compiled) -> dict:
     """Registers, spilled bytes (stack + local), shared memory, and the SASS opcode counts of
     a kernel compiled by ``compile_for_sm90``; ``sass`` the disassembly (opcodes, operands)
     in order."""
-    cubin = compiled.asm["cubin"]
-    registers, stack, _, local = map(int, RESOURCES.search(
-        _cuobjdump(cubin, "--dump-resource-usage")).groups())
-    sass = [(opcode, operands.strip()) for _, _, opcode, operands
-            in SASS_LINE.findall(_cuobjdump(cubin, "-sass"))]
-    return dict(registers=registers, spill_bytes=stack + local,
-                shared=compiled.metadata.shared,
+    sass = [(opcode, operands) for _, opcode, operands in sass_instructions(compiled)]
+    return dict(**resource_usage(compiled),
                 opcodes=dict(collections.Counter(op.split(".")[0] for op, _ in sass)),
                 sass=sass)
 

@@ -503,9 +503,10 @@ def test_fused_slot_sass(config, tokens):
     before its wait (ptxas sinks loads below volatile polls unless a barrier holds them)."""
     import triton
 
+    from qllm.testing.sm90 import sm90_compiler_missing
     from qllm_kernels_moe import testing
 
-    missing = testing.sm90_compiler_missing()
+    missing = sm90_compiler_missing()
     if missing:
         pytest.skip(missing)
     summary = testing.sass_summary(testing.compile_fused_slot(tokens, config))
