@@ -6,6 +6,7 @@ without a GPU (``compile_fused_decode``; its registers and spills: ``qllm.testin
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -192,6 +193,52 @@ def fused_decode_inputs(batch: ForwardBatch, geometry: GDNGeometry, num_slots: i
                              A_log=gdn.A_log, dt_bias=gdn.dt_bias, ssm_state=gdn.ssm_state,
                              z=z.unflatten(-1, (hv, dv)), norm_weight=norm_weight, eps=1e-6,
                              batch=batch)
+
+
+# ----------------------------------------------------------------------------- checks
+
+# Largest error allowed, relative to the reference's largest magnitude, by the coarser of the
+# activation and state dtypes (the Triton kernels compute in fp32 throughout).
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
+STATE_DTYPES = {"state_fp32": torch.float32, "state_bf16": torch.bfloat16}
+GPU_GEOMETRIES = {
+    "qwen3.5-35b": QWEN3_5_35B_A3B,           # 16 key / 32 value heads x 128, conv 4
+    "mha-d64": GDNGeometry(4, 4, 64, 64),
+    "gqa4-dv96-k3": GDNGeometry(2, 8, 128, 96, conv_kernel=3),  # dv not a power of two
+}
+
+
+def has_state_flags(count: int, has_state: str) -> list[bool] | bool:
+    """``random_batch``'s flags: ``fresh``, no sequence has state yet; ``mixed``, two in three
+    have; ``all``, all."""
+    if has_state == "all":
+        return True
+    return [has_state == "mixed" and i % 3 != 1 for i in range(count)]
+
+
+def conv_state_tolerance(state_dtype: torch.dtype) -> float:
+    """Conv states are copied inputs: exact, except that the Triton interpreter rounds fp32 ->
+    bf16 toward zero where GPUs (and torch) round to nearest even, one bf16 ulp apart."""
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    return 2 ** -7 if interpreting and state_dtype == torch.bfloat16 else 0.0
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    """Same dtype and shape, and within ``tol`` relative to ``expected``'s largest magnitude
+    (at least 1)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    atol = tol * max(expected.abs().max().item(), 1.0)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=tol)
+
+
+def assert_states(actual: torch.Tensor, expected: torch.Tensor, before: torch.Tensor,
+                  batch: ForwardBatch, tol: float) -> None:
+    """Batch slots close to the reference's, other slots untouched; padding slot skipped."""
+    padding = actual.shape[0] - 1
+    used = sorted(set(batch.caches["recurrent_slot"].slots.tolist()) - {padding})
+    unused = sorted(set(range(padding)) - set(used))
+    assert_close(actual[used], expected[used], tol)
+    assert torch.equal(actual[unused], before[unused])
 
 
 # ----------------------------------------------------------------------------- offline sm_90

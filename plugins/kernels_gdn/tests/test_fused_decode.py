@@ -32,19 +32,14 @@ from qllm.testing.kernels import (HAS_TRITON, INTERPRETING, called_ops, cuda,  #
                                   run_interpreted_tests)
 from qllm.testing.sm90 import resource_usage, sm90_compiler_missing  # noqa: E402
 from qllm_kernels_gdn import ops, plugin, testing  # noqa: E402
-from qllm_kernels_gdn.testing import (QWEN3_5_35B_A3B, GDNGeometry,  # noqa: E402
-                                      fused_decode_inputs, random_batch)
+from qllm_kernels_gdn.testing import (GPU_GEOMETRIES, QWEN3_5_35B_A3B,  # noqa: E402
+                                      STATE_DTYPES, TOLERANCE, GDNGeometry, assert_close, assert_states,
+                                      conv_state_tolerance, fused_decode_inputs,
+                                      has_state_flags, random_batch)
 
-TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
-STATE_DTYPES = {"state_fp32": torch.float32, "state_bf16": torch.bfloat16}
 state_layouts = pytest.mark.parametrize("contiguous_state", [False, True],
                                         ids=["model-layout", "contiguous"])
 
-GPU_GEOMETRIES = {
-    "qwen3.5-35b": QWEN3_5_35B_A3B,           # 16 key / 32 value heads x 128, conv 4
-    "mha-d64": GDNGeometry(4, 4, 64, 64),
-    "gqa4-dv96-k3": GDNGeometry(2, 8, 128, 96, conv_kernel=3),  # dv not a power of two
-}
 GPU_DECODE = {"b1": (1, 0), "b3-pad1": (3, 1), "b64": (64, 0), "b200-pad8": (200, 8),
               "b512": (512, 0)}  # batch -> (sequences, padding rows)
 GPU_SLOTS = 512
@@ -58,48 +53,19 @@ TINY_DECODE = {"b1": (1, 0), "b5-pad2": (5, 2), "b12-pad3": (12, 3)}
 TINY_SLOTS = 16
 
 
-def _flags(count: int, has_state: str) -> list[bool] | bool:
-    """``fresh``: no sequence has state yet; ``mixed``: two in three have; ``all``: all."""
-    if has_state == "all":
-        return True
-    return [has_state == "mixed" and i % 3 != 1 for i in range(count)]
-
-
 def _state_tolerance(dtype: torch.dtype, state_dtype: torch.dtype) -> float:
     return max(TOLERANCE[dtype], TOLERANCE[state_dtype])
 
 
 def _output_tolerance(dtype: torch.dtype, state_dtype: torch.dtype) -> float:
     """Of the output against the reference: the state's, but 5e-2 for a bf16 state under the
-    interpreter, whose fp32 -> bf16 rounding toward zero (see ``_conv_state_tolerance``) drifts
+    interpreter, whose fp32 -> bf16 rounding toward zero (see ``conv_state_tolerance``) drifts
     the state over the chained steps while the RMSNorm scales each row's error up to the row's
     unit RMS (up to 3e-2 seen; the three-kernel path drifts the same: against it the state's
     tolerance holds, the outputs were equal bit for bit)."""
     if INTERPRETING and state_dtype == torch.bfloat16:
         return 5e-2
     return _state_tolerance(dtype, state_dtype)
-
-
-def _conv_state_tolerance(state_dtype: torch.dtype) -> float:
-    """Conv states are copied inputs: exact, except that the interpreter rounds fp32 -> bf16
-    toward zero where GPUs (and torch) round to nearest even, one bf16 ulp apart."""
-    return 2 ** -7 if INTERPRETING and state_dtype == torch.bfloat16 else 0.0
-
-
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    atol = tol * max(expected.abs().max().item(), 1.0)
-    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=tol)
-
-
-def _assert_states(actual: torch.Tensor, expected: torch.Tensor, before: torch.Tensor,
-                   batch: ForwardBatch, tol: float) -> None:
-    """Batch slots close to the reference's, other slots untouched; padding slot skipped."""
-    padding = actual.shape[0] - 1
-    used = sorted(set(batch.caches["recurrent_slot"].slots.tolist()) - {padding})
-    unused = sorted(set(range(padding)) - set(used))
-    _assert_close(actual[used], expected[used], tol)
-    assert torch.equal(actual[unused], before[unused])
 
 
 def _unfused(x, weight, conv_state, a, b, A_log, dt_bias, ssm_state, z, norm_weight, eps,
@@ -129,7 +95,7 @@ def check_fused_decode(geometry: GDNGeometry, num_seqs: int, num_padding: int,
     states = None
     for step in range(3):
         batch = random_batch([1] * num_seqs, num_slots,
-                             _flags(num_seqs, has_state) if step == 0 else True, num_padding,
+                             has_state_flags(num_seqs, has_state) if step == 0 else True, num_padding,
                              device=device, seed=num_seqs)
         x = fused_decode_inputs(batch, geometry, num_slots, dtype, state_dtype, seed=step,
                                 contiguous_state=contiguous_state)
@@ -153,12 +119,12 @@ def check_fused_decode(geometry: GDNGeometry, num_seqs: int, num_padding: int,
             out = ops.gdn_decode_fused(*x.args())
         assert out.shape == (num_seqs + num_padding, geometry.num_v_heads, geometry.head_v_dim)
         assert out.is_contiguous()
-        _assert_close(out[:num_seqs], ref[:num_seqs], out_tol)
+        assert_close(out[:num_seqs], ref[:num_seqs], out_tol)
         if against_unfused:
-            _assert_close(out[:num_seqs], unfused[:num_seqs], tol)
-            _assert_states(states[1], unfused_in.ssm_state, before[1], batch, tol)
-        _assert_states(states[0], refs[0], before[0], batch, _conv_state_tolerance(state_dtype))
-        _assert_states(states[1], refs[1], before[1], batch, tol)
+            assert_close(out[:num_seqs], unfused[:num_seqs], tol)
+            assert_states(states[1], unfused_in.ssm_state, before[1], batch, tol)
+        assert_states(states[0], refs[0], before[0], batch, conv_state_tolerance(state_dtype))
+        assert_states(states[1], refs[1], before[1], batch, tol)
 
 
 def opcheck_fused(device: str, dtype: torch.dtype) -> None:
@@ -198,7 +164,7 @@ def test_fused_decode_launch_configs(launch, state_dtype):
 @cuda
 def test_fused_decode_cuda_graph_replay():
     """Captured once, replayed after inputs, slots and state flags change in place."""
-    batch = random_batch([1] * 64, GPU_SLOTS, _flags(64, "mixed"), 8, device="cuda")
+    batch = random_batch([1] * 64, GPU_SLOTS, has_state_flags(64, "mixed"), 8, device="cuda")
     x = fused_decode_inputs(batch, QWEN3_5_35B_A3B, GPU_SLOTS, torch.bfloat16, torch.float32)
     ops.gdn_decode_fused(*x.args())  # compile before capture
     torch.cuda.synchronize()
@@ -207,7 +173,7 @@ def test_fused_decode_cuda_graph_replay():
         out = ops.gdn_decode_fused(*x.args())
     cache = batch.caches["recurrent_slot"]
     for seed in range(2):
-        moved = random_batch([1] * 64, GPU_SLOTS, _flags(64, "mixed")[::-1], 8, device="cuda",
+        moved = random_batch([1] * 64, GPU_SLOTS, has_state_flags(64, "mixed")[::-1], 8, device="cuda",
                              seed=100 + seed)
         moved_cache = moved.caches["recurrent_slot"]
         cache.slots.copy_(moved_cache.slots)
@@ -219,9 +185,9 @@ def test_fused_decode_cuda_graph_replay():
                                      ssm_state=before[1].clone())
         ref = ops.gdn_decode_fused_reference(*ref_in.args())
         graph.replay()
-        _assert_close(out[:64], ref[:64], TOLERANCE[torch.bfloat16])
-        _assert_states(x.conv_state, ref_in.conv_state, before[0], batch, 0.0)
-        _assert_states(x.ssm_state, ref_in.ssm_state, before[1], batch,
+        assert_close(out[:64], ref[:64], TOLERANCE[torch.bfloat16])
+        assert_states(x.conv_state, ref_in.conv_state, before[0], batch, 0.0)
+        assert_states(x.ssm_state, ref_in.ssm_state, before[1], batch,
                        TOLERANCE[torch.bfloat16])
 
 
@@ -365,7 +331,7 @@ def test_interpreted_fused_decode_contiguous_states(geometry, state_dtype):
 def test_interpreted_fused_decode_bf16_activations(state_dtype):
     """bf16 activations: the conv outputs, the recurrence's output and the norm rounded as the
     three references round them (against the reference only: the interpreter's bf16 rounding
-    differs from torch's, see ``_conv_state_tolerance``)."""
+    differs from torch's, see ``conv_state_tolerance``)."""
     check_fused_decode(TINY_GEOMETRIES["gqa2-dk16-dv8"], 5, 2, "mixed", torch.bfloat16,
                        state_dtype, TINY_SLOTS, "cpu", against_unfused=False)
 

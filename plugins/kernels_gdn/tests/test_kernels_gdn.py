@@ -30,34 +30,26 @@ pytest.importorskip("qllm_kernels_gdn")
 # after the skip above, so the suite runs where the plugin is not installed
 from qllm.ops import gdn as reference  # noqa: E402
 from qllm.ops import norm as norm_reference  # noqa: E402
-from qllm.testing.kernels import (HAS_TRITON, INTERPRETING, called_ops, cuda,  # noqa: E402
-                                  graphs_traced_by, interpreted, interpreter_driver,
-                                  run_interpreted_tests)
+from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
+                                  interpreted, interpreter_driver, run_interpreted_tests)
 from qllm.plugins.registry import PluginRegistry  # noqa: E402
 from qllm.batch import ForwardBatch  # noqa: E402
 from qllm_kernels_gdn import ops, plugin  # noqa: E402
-from qllm_kernels_gdn.testing import (QWEN3_5_35B_A3B, GDNGeometry, conv_inputs,  # noqa: E402
-                                      gdn_inputs, norm_inputs, random_batch)
+from qllm_kernels_gdn.testing import (GPU_GEOMETRIES, QWEN3_5_35B_A3B,  # noqa: E402
+                                      STATE_DTYPES, TOLERANCE, GDNGeometry, assert_close,
+                                      assert_states, conv_inputs, conv_state_tolerance,
+                                      gdn_inputs, has_state_flags, norm_inputs, random_batch)
 
 
 
 GDN_PREFILL = {"triton": ops.gdn_prefill, "fla": ops.fla_gdn_prefill}
-# Largest error allowed, relative to the reference's largest magnitude, by the coarser of the
-# activation and state dtypes (the Triton kernels compute in fp32 throughout). fla normalises
-# q/k in the activation dtype and solves in tf32.
-TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
+# fla normalises q/k in the activation dtype and solves in tf32 (the Triton kernels: TOLERANCE)
 FLA_TOLERANCE = 2e-2
-STATE_DTYPES = {"state_fp32": torch.float32, "state_bf16": torch.bfloat16}
 # The kernels take any state strides: the models' layouts (default: conv state channel stride 1,
 # SSM state key stride 1) and contiguous ones.
 state_layouts = pytest.mark.parametrize("contiguous_state", [False, True],
                                         ids=["model-layout", "contiguous"])
 
-GPU_GEOMETRIES = {
-    "qwen3.5-35b": QWEN3_5_35B_A3B,           # 16 key / 32 value heads x 128, conv 4
-    "mha-d64": GDNGeometry(4, 4, 64, 64),
-    "gqa4-dv96-k3": GDNGeometry(2, 8, 128, 96, conv_kernel=3),  # dv not a power of two
-}
 GPU_PREFILL = {
     "len1": [1],
     "len64": [64],
@@ -78,35 +70,8 @@ TINY_DECODE = {"b1": (1, 0), "b5-pad2": (5, 2)}
 TINY_SLOTS = 8
 
 
-def _flags(count: int, has_state: str) -> list[bool]:
-    """``fresh``: no sequence has state yet; ``mixed``: two in three have."""
-    return [has_state == "mixed" and i % 3 != 1 for i in range(count)]
-
-
 def _tolerance(impl: str, dtype: torch.dtype, state_dtype: torch.dtype) -> float:
     return FLA_TOLERANCE if impl == "fla" else max(TOLERANCE[dtype], TOLERANCE[state_dtype])
-
-
-def _conv_state_tolerance(state_dtype: torch.dtype) -> float:
-    """Conv states are copied inputs: exact, except that the interpreter rounds fp32 -> bf16
-    toward zero where GPUs (and torch) round to nearest even, one bf16 ulp apart."""
-    return 2 ** -7 if INTERPRETING and state_dtype == torch.bfloat16 else 0.0
-
-
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    atol = tol * max(expected.abs().max().item(), 1.0)
-    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=tol)
-
-
-def _assert_states(actual: torch.Tensor, expected: torch.Tensor, before: torch.Tensor,
-                   batch: ForwardBatch, tol: float) -> None:
-    """Batch slots close to the reference's, other slots untouched; padding slot skipped."""
-    padding = actual.shape[0] - 1
-    used = sorted(set(batch.caches["recurrent_slot"].slots.tolist()) - {padding})
-    unused = sorted(set(range(padding)) - set(used))
-    _assert_close(actual[used], expected[used], tol)
-    assert torch.equal(actual[unused], before[unused])
 
 
 # ----------------------------------------------------------------------------- checks
@@ -120,7 +85,7 @@ def _qkv_sizes(geometry: GDNGeometry) -> list[int]:
 def check_conv_prefill(geometry: GDNGeometry, query_lens: list[int], has_state: str,
                        dtype: torch.dtype, state_dtype: torch.dtype, num_slots: int,
                        device: str, contiguous_state: bool = False) -> None:
-    batch = random_batch(query_lens, num_slots, _flags(len(query_lens), has_state),
+    batch = random_batch(query_lens, num_slots, has_state_flags(len(query_lens), has_state),
                          device=device, seed=len(query_lens))
     x = conv_inputs(batch, geometry, num_slots, dtype, state_dtype,
                     contiguous_state=contiguous_state)
@@ -131,8 +96,8 @@ def check_conv_prefill(geometry: GDNGeometry, query_lens: list[int], has_state: 
     outs = ops.causal_conv1d_prefill(x.x, x.weight, x.conv_state, batch, sizes)
     assert len(outs) == 3 and all(out.is_contiguous() for out in outs)
     for out, ref in zip(outs, refs):
-        _assert_close(out, ref, _tolerance("triton", dtype, state_dtype))
-    _assert_states(x.conv_state, ref_state, before, batch, _conv_state_tolerance(state_dtype))
+        assert_close(out, ref, _tolerance("triton", dtype, state_dtype))
+    assert_states(x.conv_state, ref_state, before, batch, conv_state_tolerance(state_dtype))
 
 
 def check_conv_update(geometry: GDNGeometry, num_seqs: int, num_padding: int,
@@ -142,7 +107,7 @@ def check_conv_update(geometry: GDNGeometry, num_seqs: int, num_padding: int,
     state = ref_state = before = None
     for step in range(3):
         batch = random_batch([1] * num_seqs, num_slots,
-                             _flags(num_seqs, "mixed") if step == 0 else True, num_padding,
+                             has_state_flags(num_seqs, "mixed") if step == 0 else True, num_padding,
                              device=device, seed=num_seqs)
         x = conv_inputs(batch, geometry, num_slots, dtype, state_dtype, seed=step,
                         contiguous_state=contiguous_state)
@@ -150,14 +115,14 @@ def check_conv_update(geometry: GDNGeometry, num_seqs: int, num_padding: int,
             state, ref_state, before = x.conv_state, x.conv_state.clone(), x.conv_state.clone()
         ref = reference.causal_conv1d_update(x.x, x.weight, ref_state, batch)
         out = ops.causal_conv1d_update(x.x, x.weight, state, batch)
-        _assert_close(out[:num_seqs], ref[:num_seqs], _tolerance("triton", dtype, state_dtype))
-        _assert_states(state, ref_state, before, batch, _conv_state_tolerance(state_dtype))
+        assert_close(out[:num_seqs], ref[:num_seqs], _tolerance("triton", dtype, state_dtype))
+        assert_states(state, ref_state, before, batch, conv_state_tolerance(state_dtype))
 
 
 def check_gdn_prefill(impl: str, geometry: GDNGeometry, query_lens: list[int], has_state: str,
                       dtype: torch.dtype, state_dtype: torch.dtype, num_slots: int,
                       device: str, contiguous_state: bool = False) -> None:
-    batch = random_batch(query_lens, num_slots, _flags(len(query_lens), has_state),
+    batch = random_batch(query_lens, num_slots, has_state_flags(len(query_lens), has_state),
                          device=device, seed=len(query_lens))
     x = gdn_inputs(batch, geometry, num_slots, dtype, state_dtype,
                    contiguous_state=contiguous_state)
@@ -166,8 +131,8 @@ def check_gdn_prefill(impl: str, geometry: GDNGeometry, query_lens: list[int], h
     ref = reference.gdn_prefill(*dataclasses.replace(x, ssm_state=ref_state).args())
     out = GDN_PREFILL[impl](*x.args())
     tol = _tolerance(impl, dtype, state_dtype)
-    _assert_close(out, ref, tol)
-    _assert_states(x.ssm_state, ref_state, before, batch, tol)
+    assert_close(out, ref, tol)
+    assert_states(x.ssm_state, ref_state, before, batch, tol)
 
 
 def check_gdn_decode(geometry: GDNGeometry, num_seqs: int, num_padding: int,
@@ -178,7 +143,7 @@ def check_gdn_decode(geometry: GDNGeometry, num_seqs: int, num_padding: int,
     state = ref_state = before = None
     for step in range(3):
         batch = random_batch([1] * num_seqs, num_slots,
-                             _flags(num_seqs, "mixed") if step == 0 else True, num_padding,
+                             has_state_flags(num_seqs, "mixed") if step == 0 else True, num_padding,
                              device=device, seed=num_seqs)
         x = gdn_inputs(batch, geometry, num_slots, dtype, state_dtype, seed=step,
                        contiguous_state=contiguous_state)
@@ -186,8 +151,8 @@ def check_gdn_decode(geometry: GDNGeometry, num_seqs: int, num_padding: int,
             state, ref_state, before = x.ssm_state, x.ssm_state.clone(), x.ssm_state.clone()
         ref = reference.gdn_decode(*dataclasses.replace(x, ssm_state=ref_state).args())
         out = ops.gdn_decode(*dataclasses.replace(x, ssm_state=state).args())
-        _assert_close(out[:num_seqs], ref[:num_seqs], tol)
-        _assert_states(state, ref_state, before, batch, tol)
+        assert_close(out[:num_seqs], ref[:num_seqs], tol)
+        assert_states(state, ref_state, before, batch, tol)
 
 
 def _slot_fields(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,7 +193,7 @@ def check_rms_norm_gated(tokens: int, heads: int, dim: int, dtype: torch.dtype,
     x, gate, weight = norm_inputs(tokens, heads, dim, dtype, device)
     out = ops.rms_norm_gated(x, gate, weight, 1e-6)
     assert out.is_contiguous()
-    _assert_close(out, norm_reference.rms_norm_gated(x, gate, weight, 1e-6), TOLERANCE[dtype])
+    assert_close(out, norm_reference.rms_norm_gated(x, gate, weight, 1e-6), TOLERANCE[dtype])
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -306,7 +271,7 @@ def _decode_step(qkv: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tens
 
 def _decode_step_inputs(geometry: GDNGeometry, num_seqs: int, num_padding: int,
                         dtype: torch.dtype, num_slots: int, device: str) -> list:
-    batch = random_batch([1] * num_seqs, num_slots, _flags(num_seqs, "mixed"), num_padding,
+    batch = random_batch([1] * num_seqs, num_slots, has_state_flags(num_seqs, "mixed"), num_padding,
                          device=device, seed=num_seqs)
     conv = conv_inputs(batch, geometry, num_slots, dtype, dtype)
     gdn = gdn_inputs(batch, geometry, num_slots, dtype, torch.float32)
@@ -345,7 +310,7 @@ def test_decode_cuda_graph_replay():
     with torch.cuda.graph(graph):
         out = _decode_step(*args)
     for seed in range(2):
-        moved = random_batch([1] * 64, GPU_SLOTS, _flags(64, "mixed")[::-1], 8, device="cuda",
+        moved = random_batch([1] * 64, GPU_SLOTS, has_state_flags(64, "mixed")[::-1], 8, device="cuda",
                              seed=100 + seed)
         for field, moved_field in zip(_slot_fields(batch), _slot_fields(moved)):
             field.copy_(moved_field)
@@ -358,9 +323,9 @@ def test_decode_cuda_graph_replay():
                            reference)
         graph.replay()
         tol = TOLERANCE[torch.bfloat16]
-        _assert_close(out[:64], ref[:64], tol)
-        _assert_states(ssm_state, ref_ssm, ssm_before, batch, tol)
-        _assert_states(conv_state, ref_conv, conv_before, batch, 0.0)
+        assert_close(out[:64], ref[:64], tol)
+        assert_states(ssm_state, ref_ssm, ssm_before, batch, tol)
+        assert_states(conv_state, ref_conv, conv_before, batch, 0.0)
 
 
 @cuda
@@ -522,8 +487,8 @@ def test_interpreted_gates_at_the_extremes():
     ref_state = x.ssm_state.clone()
     ref = reference.gdn_decode(*dataclasses.replace(x, ssm_state=ref_state).args())
     out = ops.gdn_decode(*x.args())
-    _assert_close(out, ref, TOLERANCE[torch.float32])
-    _assert_close(x.ssm_state, ref_state, TOLERANCE[torch.float32])
+    assert_close(out, ref, TOLERANCE[torch.float32])
+    assert_close(x.ssm_state, ref_state, TOLERANCE[torch.float32])
 
 
 @interpreted
