@@ -10,7 +10,7 @@ of one launch. With ``x [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, the shar
 
 - ``S * ceil(I / UP_ROWS)`` **gate/up tasks**, slot-major: ``UP_ROWS`` intermediate columns of
   one slot, ``silu(x[t] . gate) * (x[t] . up)`` over long contiguous rows of ``UP_BLOCK_K``,
-  exactly as ``_slot_gate_up_kernel``, stored (rounded to ``x.dtype``, as the two-kernel path
+  by ``_slot_gate_up_kernel``'s own loop (``_gate_up_rows``), stored (rounded to ``x.dtype``, as the two-kernel path
   does) into ``hidden [S, I]``; then the task adds 1 to its slot's ``ready`` counter (release).
 - then ``S * ceil(H / DOWN_ROWS)`` **down tasks**: ``DOWN_ROWS`` output rows of one slot. A down
   task first loads its ``[DOWN_ROWS, I]`` tile of ``w2`` (the slot's expert, known from the
@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 
 from qllm_kernels_moe.configs import FusedSlotConfig
+from qllm_kernels_moe.triton_slot_moe import _gate_up_rows
 
 # QLLM_MOE_SLOT selects the small-batch path's kernels: "split" (default) two launches,
 # gate_up then down (triton_slot_moe); "fused": this module's one launch. Read once, at import.
@@ -92,21 +93,9 @@ def _gate_up_task(task, x_ptr, w13_ptr, shared_w13_ptr, ids_ptr, hidden_ptr, rea
     row_mask = rows < I
     ks = tl.arange(0, UP_BLOCK_K)
     gate_ptrs = w_ptr + rows[:, None] * H + ks[None, :]  # [UR, BK]
-    up_ptrs = gate_ptrs + I * H
     x_ptrs = x_ptr + (slot // TOP_K) * stride_x_row + ks  # [BK]
-    gate = tl.zeros((UP_ROWS, UP_BLOCK_K), dtype=tl.float32)
-    up = tl.zeros((UP_ROWS, UP_BLOCK_K), dtype=tl.float32)
-    for k_start in range(0, H, UP_BLOCK_K):
-        k_mask = ks < H - k_start
-        x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]  # [1, BK]
-        w_mask = row_mask[:, None] & k_mask[None, :]
-        gate += tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
-        up += tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
-        x_ptrs += UP_BLOCK_K
-        gate_ptrs += UP_BLOCK_K
-        up_ptrs += UP_BLOCK_K
-    gate_sum = tl.sum(gate, axis=1)  # [UR]
-    hidden = gate_sum * tl.sigmoid(gate_sum) * tl.sum(up, axis=1)
+    hidden = _gate_up_rows(x_ptrs, gate_ptrs, gate_ptrs + I * H, row_mask, ks, H, UP_ROWS,
+                           UP_BLOCK_K)  # [UR]
     tl.store(hidden_ptr + slot * I + rows, hidden.to(hidden_ptr.dtype.element_ty),
              mask=row_mask)
     tl.debug_barrier()  # every thread's stores, before the release below

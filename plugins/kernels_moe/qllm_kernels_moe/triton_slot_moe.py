@@ -47,16 +47,11 @@ def _slot_weight_tile(ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_exp
 
 
 @triton.jit
-def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
-                         num_experts, N, K, stride_x_row, stride_w_expert, stride_w_row,
-                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` for slot ``s`` of token
-    ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``)."""
-    slot, rows, row_mask, ks, gate_ptrs = _slot_weight_tile(
-        ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_expert, stride_w_row, BLOCK_N,
-        BLOCK_K)  # gate_ptrs: [BN, BK]
-    x_ptrs = x_ptr + (slot // TOP_K) * stride_x_row + ks  # [BK]
-    up_ptrs = gate_ptrs + N * stride_w_row
+def _gate_up_rows(x_ptrs, gate_ptrs, up_ptrs, row_mask, ks, K, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """``silu(x . gate_n) * (x . up_n)`` for ``BLOCK_N`` weight rows ``n`` (``gate_ptrs``,
+    ``up_ptrs`` [BN, BK] at their first ``BLOCK_K`` columns, ``x_ptrs`` [BK]) over ``K``
+    columns, in fp32: ``[BN]``."""
     gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
@@ -69,7 +64,21 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
     gate_sum = tl.sum(gate, axis=1)  # [BN]
-    out = gate_sum * tl.sigmoid(gate_sum) * tl.sum(up, axis=1)
+    return gate_sum * tl.sigmoid(gate_sum) * tl.sum(up, axis=1)
+
+
+@triton.jit
+def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
+                         num_experts, N, K, stride_x_row, stride_w_expert, stride_w_row,
+                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` for slot ``s`` of token
+    ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``)."""
+    slot, rows, row_mask, ks, gate_ptrs = _slot_weight_tile(
+        ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_expert, stride_w_row, BLOCK_N,
+        BLOCK_K)  # gate_ptrs: [BN, BK]
+    x_ptrs = x_ptr + (slot // TOP_K) * stride_x_row + ks  # [BK]
+    out = _gate_up_rows(x_ptrs, gate_ptrs, gate_ptrs + N * stride_w_row, row_mask, ks, K,
+                        BLOCK_N, BLOCK_K)
     tl.store(hidden_ptr + slot * N + rows, out.to(hidden_ptr.dtype.element_ty), mask=row_mask)
 
 
