@@ -37,9 +37,6 @@ class FakeRegistry:
     def reserve(self, seq, n):
         return self.pool.reserve(seq, n)
 
-    def step_launched(self, seqs, is_prefill):
-        self.pool.step_launched(seqs, is_prefill)
-
     def register_computed(self, seq):
         self.pool.register_computed(seq)
 

@@ -120,10 +120,6 @@ class CachePool(abc.ABC):
         eagerly, not as a captured graph (e.g. its layers save state as they go)."""
         return False
 
-    def step_launched(self, seqs: list[Sequence], is_prefill: bool) -> None:
-        """Called right after a step of ``seqs`` is queued on the device (their
-        ``num_computed_tokens`` already advanced), before the next step is built."""
-
     @abc.abstractmethod
     def release(self, seq: Sequence) -> None:
         """Free everything ``seq`` holds (finish, abort or preemption); a no-op for a

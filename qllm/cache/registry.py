@@ -160,11 +160,6 @@ class CacheRegistry:
         eagerly (``CachePool.needs_eager``)."""
         return any(pool.needs_eager(seq, num_tokens) for pool in self.pools.values())
 
-    def step_launched(self, seqs: list[Sequence], is_prefill: bool) -> None:
-        """A step of ``seqs`` is queued on the device; before the next one is built."""
-        for pool in self.pools.values():
-            pool.step_launched(seqs, is_prefill)
-
     def _forget_prefix(self, block_hash: int) -> None:
         for pool in self.pools.values():
             pool.forget_prefix(block_hash)

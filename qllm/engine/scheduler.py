@@ -18,8 +18,7 @@ class Scheduler:
     Each step is a prefill step when some prompt still needs computing and fits, otherwise a
     decode step over every running sequence. When the cache cannot grow a running sequence,
     the most recently admitted sequence is preempted: its cache is freed and it returns to the
-    head of the queue, to be recomputed (prompt plus
-    generated tokens) when there is room.
+    head of the queue, to be recomputed (prompt plus generated tokens) when there is room.
 
     A step is ``schedule`` (the batch), then, once the batch is queued on the device,
     ``launched``, and once its sampled tokens are on the host, ``postprocess``. With
@@ -123,11 +122,10 @@ class Scheduler:
 
     def launched(self, batch: ScheduledBatch, sampled: list[Sequence]) -> None:
         """``batch`` is queued on the device: its tokens count as computed (the next batch
-        builds on them), the cache pools see the step (e.g. to save state checkpoints), and
-        each of ``sampled`` (the sequences it samples a token for) has a token pending."""
+        builds on them), and each of ``sampled`` (the sequences it samples a token for) has a
+        token pending."""
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
-        self.cache.step_launched(batch.seqs, batch.is_prefill)
         for seq in sampled:
             seq.num_pending_tokens += 1
 
