@@ -185,16 +185,22 @@ def test_cuda_graph_replay():
         _assert_close(out, _reference(inputs), torch.bfloat16)
 
 
-@cuda
-def test_compiled_decode_matches_eager():
-    """A ``fullgraph`` CUDA-graph compile with a dynamic batch size, like the decode step."""
+def _check_compiled_decode_matches_eager(token_counts, *shape: int) -> None:
+    """``fused_moe`` under a ``fullgraph`` CUDA-graph compile with a dynamic batch size, like
+    the decode step, bit-equal to eager at each of ``token_counts`` (``moe_inputs``'s
+    ``shape`` after the token count)."""
     compiled = torch.compile(_moe_layer, fullgraph=True, mode="reduce-overhead", dynamic=True)
-    for tokens in (16, 48):
-        inputs = moe_inputs(tokens, 64, 512, 256, 4, device="cuda")
+    for tokens in token_counts:
+        inputs = moe_inputs(tokens, *shape, device="cuda")
         eager = ops.fused_moe(*inputs)
         for _ in range(3):  # warm-up, record, replay
             out = compiled(*inputs)
         torch.testing.assert_close(out, eager, atol=0, rtol=0)
+
+
+@cuda
+def test_compiled_decode_matches_eager():
+    _check_compiled_decode_matches_eager((16, 48), 64, 512, 256, 4)
 
 
 @cuda
@@ -314,15 +320,8 @@ def test_fused_slot_many_launches():
 
 @cuda
 def test_fused_slot_compiled_decode_matches_eager(slot_mode_fused):
-    """A ``fullgraph`` CUDA-graph compile at 1-4 tokens (the decode step's), bit-equal to
-    eager."""
-    compiled = torch.compile(_moe_layer, fullgraph=True, mode="reduce-overhead", dynamic=True)
-    for tokens in (3, 4):
-        inputs = moe_inputs(tokens, 256, 2048, 512, 8, device="cuda")
-        eager = ops.fused_moe(*inputs)
-        for _ in range(3):  # warm-up, record, replay
-            out = compiled(*inputs)
-        torch.testing.assert_close(out, eager, atol=0, rtol=0)
+    """The same at the one-launch path's token counts and 35B-A3B's shape."""
+    _check_compiled_decode_matches_eager((3, 4), 256, 2048, 512, 8)
 
 
 # ----------------------------------------------------------------------------- CPU
