@@ -140,6 +140,20 @@ def test_admission_starts_from_the_prefix_hit_the_cache_reports():
     assert second.status == SequenceStatus.RUNNING
 
 
+def test_a_request_finished_by_its_first_token_leaves_its_prompt_cached():
+    """A prompt served with max_tokens=1 finishes in the step that computed it; its full
+    blocks are registered before they are freed, so the next prompt sharing them hits."""
+    scheduler, _ = make(enable_prefix_caching=True)
+    first = Sequence(list(range(10)), SamplingParams(max_tokens=1, ignore_eos=True))
+    scheduler.add(first)
+    run_step(scheduler, scheduler.schedule())
+    assert first.is_finished
+    second = Sequence(list(range(8)) + [50, 51], SamplingParams())
+    scheduler.add(second)
+    scheduler.schedule()
+    assert second.num_cached_tokens == 8
+
+
 def test_launch_computes_tokens_and_postprocess_appends_the_pending_ones():
     scheduler, _ = make(enable_chunked_prefill=True, max_num_batched_tokens=4)
     seq = Sequence([1] * 6, SamplingParams(max_tokens=2, ignore_eos=True))

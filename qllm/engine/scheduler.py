@@ -154,7 +154,11 @@ class Scheduler:
         return advanced
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Retire ``seq`` (stop condition or abort) and free its cache."""
+        """Retire ``seq`` (stop condition or abort) and free its cache, first handing the
+        cache what it computed (a request that stops on its first token, as one of
+        ``max_tokens=1`` does, leaves its prompt's full blocks cached for later prompts)."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.cache.register_computed(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self._release(seq)
