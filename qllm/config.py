@@ -197,10 +197,6 @@ class EngineConfig:
     # sequence's state of every such layer: ~64 MB fp32 at Qwen3.5-35B-A3B geometry; they are
     # allocated with the recurrent slots). 0: no prefix caching for such models
     prefix_state_cache_slots: int = 0
-    # a state checkpoint every this many KV blocks of a prompt (plus one at its last full
-    # block); a prefill step saves them as its recurrent layers pass them
-    # (qllm.cache.checkpoint_rounds)
-    prefix_state_interval_blocks: int = 1
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
     compile_on_cpu: bool = False
@@ -246,9 +242,6 @@ class EngineConfig:
         if self.prefix_state_cache_slots < 0:
             raise ValueError(f"prefix_state_cache_slots must be >= 0, "
                              f"got {self.prefix_state_cache_slots!r}")
-        if self.prefix_state_interval_blocks < 1:
-            raise ValueError(f"prefix_state_interval_blocks must be a positive integer, "
-                             f"got {self.prefix_state_interval_blocks!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization!r}")

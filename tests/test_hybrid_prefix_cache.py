@@ -52,15 +52,17 @@ def greedy(max_tokens):
 
 
 def serve(llm, prompts, params):
-    """The first prompt alone (it fills the cache), then the rest together."""
+    """The first prompt alone (its KV blocks are cached; no checkpoint: nothing shared it
+    yet), the second alone (it finds the first's KV blocks, recomputes them and keeps a
+    checkpoint at that branch point), the rest but the last together, then the last."""
     params = params if isinstance(params, list) else [params] * len(prompts)
-    first = llm.generate(prompts[:1], params[:1], use_tqdm=False)
-    return first + llm.generate(prompts[1:], params[1:], use_tqdm=False)
+    phases = [slice(0, 1), slice(1, 2), slice(2, -1), slice(-1, None)]
+    return [out for phase in phases
+            for out in llm.generate(prompts[phase], params[phase], use_tqdm=False)]
 
 
 @pytest.mark.parametrize("options", [
-    pytest.param({}, id="every-block"),
-    pytest.param({"prefix_state_interval_blocks": 2}, id="every-2nd-block"),
+    pytest.param({}, id="default"),
     pytest.param({"max_num_seqs": 2, "max_num_batched_tokens": 40}, id="slot-reuse-chunked"),
     pytest.param({"async_scheduling": False}, id="sync"),
 ])
@@ -74,35 +76,49 @@ def test_greedy_tokens_equal_the_cache_off_run(checkpoint, options):
     for prompt, out, ref in zip(prompts, outputs, expected):
         assert out["token_ids"] == ref["token_ids"], f"prompt of {len(prompt)} diverged"
     cached = [out["num_cached_tokens"] for out in outputs]
-    assert all(n % BLOCK == 0 for n in cached)
-    assert cached[0] == 0 and min(cached[1:6]) >= 32, cached
-    assert cached[6] == 32  # two blocks shared: a hit exactly at a checkpoint
+    # the second prompt recomputes the shared 64 and keeps a checkpoint there, the next three
+    # restore it; system[:40] recomputes its KV hit of 32 (no checkpoint there: the hit is
+    # between checkpoints) and keeps one, which system[:32] restores when admitted after it
+    # (with one step for all, it recomputes too); system[:64] (a KV hit of 48: 64 must be
+    # computed) restores the one at 32 and recomputes 32..48
+    assert cached[:6] == [0, 0, 64, 64, 64, 0] and cached[6] in (0, 32), cached
+    assert cached[7] == 32, cached
     stats = llm.engine.cache.prefix_cache_stats()
-    assert stats["hit_tokens"] >= sum(cached[1:])
-    assert stats["state_checkpoints_restored"] >= 6
-    assert stats["state_checkpoints_saved"] > 0
-    if options.get("prefix_state_interval_blocks") == 2:
-        # system[:40] has a KV hit of 32 = a checkpoint; the 70-token prompts hit 64 (the
-        # grid); system[:64]'s KV hit of 48 falls back to the checkpoint at 32
-        assert cached[7] == 32 and stats["recomputed_tokens"] >= 16
+    assert stats["hit_tokens"] == sum(cached)
+    assert stats["recomputed_tokens"] >= 64 + 32 + 16
+    assert stats["state_checkpoints_restored"] == sum(n > 0 for n in cached)
+    assert stats["state_checkpoints_saved"] == 3  # at 64, 32 and 48
     assert_cache_free(llm)
+
+
+def test_prompts_sharing_nothing_save_nothing(checkpoint):
+    """Without shared prefixes (W2's prompts) the cache costs nothing: no checkpoint is
+    kept, no step runs in rounds or eagerly."""
+    llm = LLM(checkpoint, **ENGINE, **CACHED)
+    engine = llm.engine
+    for prompt in random_prompts([70, 33, 48], seed=11):
+        seq = engine.add_request(prompt, greedy(3))
+        assert not engine.cache.needs_eager(seq, len(prompt))
+        while engine.has_unfinished():
+            engine.step()
+    assert engine.cache.prefix_cache_stats()["state_checkpoints_saved"] == 0
 
 
 @cuda
 def test_greedy_tokens_equal_the_cache_off_run_on_cuda(checkpoint):
-    """The same on the GPU kernels, fp32: a 608-token shared prefix whose checkpoint (every
-    38 blocks) the first request saves in a round of 608 tokens (fla's chunked rule, above
-    the recurrent kernel's 512) before a round of its own 9; the others hit it. Eager (such
-    steps never run as graphs; capturing the decode buckets twice took over 100 s)."""
+    """The same on the GPU kernels, fp32: a 608-token shared prefix whose checkpoint the
+    second request saves in a round of 608 tokens (fla's chunked rule, above the recurrent
+    kernel's 512) before a round of its own 30; the others restore it. Eager (such steps
+    never run as graphs; capturing the decode buckets twice took over 100 s)."""
     system, *suffixes = random_prompts([608, 9, 30, 17, 50], seed=10)
     prompts = [system + s for s in suffixes]
     params = greedy(12)
     settings = dict(ENGINE, max_model_len=1024, num_kv_blocks=320, device="cuda",
-                    dtype=torch.float32, prefix_state_interval_blocks=38, enforce_eager=True)
+                    dtype=torch.float32, enforce_eager=True)
     expected = serve(LLM(checkpoint, **settings, **OFF), prompts, params)
     outputs = serve(LLM(checkpoint, **settings, **CACHED), prompts, params)
     assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in expected]
-    assert [o["num_cached_tokens"] for o in outputs[1:]] == [608] * 3
+    assert [o["num_cached_tokens"] for o in outputs] == [0, 0, 608, 608]
 
 
 def test_off_by_default_for_hybrid_models(checkpoint):
@@ -154,12 +170,14 @@ def slot_state(engine, seq) -> list[torch.Tensor]:
 
 def test_restored_state_is_bit_equal_to_recomputed(checkpoint):
     """The state copied into a new sequence's slot at a hit equals, bit for bit, the state
-    after the same prefix computed afresh by another engine: one step of its 48 tokens,
-    whose recurrent layers pass the same boundaries (16, 32) as the 70-token step that saved
-    the checkpoint, so they run the same pieces."""
-    prompt, other = random_prompts([70, 12], seed=8)
-    llm = LLM(checkpoint, **ENGINE, **CACHED, async_scheduling=False)
+    after the same prefix computed afresh by another engine: both compute its 48 tokens in
+    one step of 48 (the same matmul shapes: a step of other tokens too may round the shared
+    rows' projections differently), the first saving the checkpoint at the step's end."""
+    prompt, branch, other = random_prompts([70, 5, 12], seed=8)
+    llm = LLM(checkpoint, **ENGINE, **CACHED, async_scheduling=False,
+              max_num_batched_tokens=48)
     llm.generate([prompt], greedy(2), use_tqdm=False)
+    llm.generate([prompt[:48] + branch], greedy(2), use_tqdm=False)  # saves at 48
     engine = llm.engine
     seq = engine.add_request(prompt[:48] + other, greedy(2))
     batch = engine.scheduler.schedule()  # admission restores the checkpoint after 48 tokens
@@ -178,25 +196,26 @@ def test_restored_state_is_bit_equal_to_recomputed(checkpoint):
     assert any(a.abs().sum() > 0 for a in restored)
 
 
-def test_checkpoints_do_not_cut_prefill_chunks(checkpoint):
-    """A prompt passing four checkpoint boundaries is computed in one step, in eager mode
-    (``needs_eager``), its recurrent layers saving a checkpoint at each boundary on the way
-    (``CheckpointRounds``); the next request finds all four."""
-    prompt, other = random_prompts([70, 12], seed=9)
+def test_branch_point_checkpoint_is_saved_inside_the_step(checkpoint):
+    """A request whose cached KV prefix no checkpoint covers recomputes it in one step (in
+    eager mode, ``needs_eager``), its recurrent layers saving the state at the prefix's end
+    on the way (``CheckpointRounds``); the next request sharing the prefix restores it."""
+    prompt, branch, other = random_prompts([70, 12, 5], seed=9)
     llm = LLM(checkpoint, **ENGINE, **CACHED, async_scheduling=False)
+    llm.generate([prompt], greedy(2), use_tqdm=False)
     engine = llm.engine
-    seq = engine.add_request(prompt, greedy(2))
     pool = engine.cache.pools["recurrent_slot"]
-    assert engine.cache.needs_eager(seq, len(prompt))
+    assert pool.checkpoints.num_saved == 0
+    seq = engine.add_request(prompt[:64] + branch, greedy(2))
     engine.step()
-    assert seq.num_computed_tokens == len(prompt)  # one step, not cut at 16, 32, 48, 64
+    assert seq.num_cached_tokens == 0 and seq.num_computed_tokens == 64 + len(branch)
     while engine.has_unfinished():
         engine.step()
-    assert pool.checkpoints.num_saved == 4
-    for prefix in (16, 32, 48, 64):
-        probe = engine.add_request(prompt[:prefix] + other, greedy(1))
-        assert pool.longest_prefix(probe, prefix) == prefix
-        engine.abort(probe.request_id)
+    assert pool.checkpoints.num_saved == 1
+    assert engine.cache.prefix_cache_stats()["recomputed_tokens"] == 64
+    probe = engine.add_request(prompt[:64] + other, greedy(1))
+    assert pool.longest_prefix(probe, 64) == 64
+    engine.abort(probe.request_id)
 
 
 def test_rounds_plan():

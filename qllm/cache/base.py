@@ -108,9 +108,11 @@ class CachePool(abc.ABC):
         boundary), that this pool can serve too."""
         return num_tokens
 
-    def take_prefix(self, seq: Sequence, num_tokens: int) -> None:
+    def take_prefix(self, seq: Sequence, num_tokens: int, cached_tokens: int) -> None:
         """``seq`` starts from its first ``num_tokens`` tokens (the registry's settled
-        prefix): give back what was taken beyond it, fill in what this pool restores."""
+        prefix): give back what was taken beyond it, fill in what this pool restores.
+        ``cached_tokens`` (>= ``num_tokens``) is the longest prefix some pool had cached: the
+        tokens between are a prefix shared with earlier sequences, recomputed."""
 
     def forget_prefix(self, block_hash: int) -> None:
         """The prefix ending with the block of hash ``block_hash`` is no longer cached."""

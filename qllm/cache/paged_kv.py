@@ -75,7 +75,7 @@ class PagedKVPool(CachePool):
         reserves)."""
         return len(self.manager.block_table(seq)) * self.block_size
 
-    def take_prefix(self, seq: Sequence, num_tokens: int) -> None:
+    def take_prefix(self, seq: Sequence, num_tokens: int, cached_tokens: int) -> None:
         self.manager.truncate(seq, num_tokens)  # the blocks past it are recomputed
 
     def _forgotten(self, block_hash: int) -> None:

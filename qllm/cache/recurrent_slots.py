@@ -39,9 +39,10 @@ class RecurrentSlotPool(CachePool):
     owner's state.
 
     With ``num_checkpoints`` rows after the padding slot, prefix caching is exact
-    (``state_checkpoints``): where a prefill step passes a checkpoint boundary that has no
-    checkpoint yet, the step gets a row for it and the recurrent layers save their state there
-    as they pass it (``RecurrentSlotBatch.rounds``, ``checkpoint_rounds``; such a step runs
+    (``state_checkpoints``): where a prefill step passes a sequence's branch point (the end of
+    a shared KV prefix that no checkpoint covered at its admission) and no checkpoint is there
+    yet, the step gets a row for it and the recurrent layers save their state there as they
+    pass it (``RecurrentSlotBatch.rounds``, ``checkpoint_rounds``; such a step runs
     eagerly, ``needs_eager``); an admitted sequence whose cached KV prefix reaches a
     checkpoint starts from a copy of it in its own slot (``take_prefix``). A checkpoint is
     written once, by the step that passes it. Copies are device copies in stream order.
@@ -53,7 +54,7 @@ class RecurrentSlotPool(CachePool):
     batch_type = RecurrentSlotBatch
 
     def __init__(self, layers: list, num_units: int, device: torch.device,
-                 num_checkpoints: int = 0, block_size: int = 256, interval_blocks: int = 1):
+                 num_checkpoints: int = 0, block_size: int = 256):
         super().__init__(layers, num_units, device)
         self.free_slots = list(range(num_units - 1, -1, -1))
         self.slots: dict[int, int] = {}  # seq_id -> slot
@@ -65,8 +66,7 @@ class RecurrentSlotPool(CachePool):
             self.storage += tensors.values()
             layer.attach_cache(tensors)
         self.supports_prefix_caching = num_checkpoints > 0
-        self.checkpoints = StateCheckpoints(num_units + 1, num_checkpoints, block_size,
-                                            interval_blocks)
+        self.checkpoints = StateCheckpoints(num_units + 1, num_checkpoints, block_size)
         self.prefix_caching = False
 
     def set_prefix_caching(self, enabled: bool) -> None:
@@ -85,8 +85,12 @@ class RecurrentSlotPool(CachePool):
                 return end
         return 0
 
-    def take_prefix(self, seq: Sequence, num_tokens: int) -> None:
-        """Copy the checkpoint after ``num_tokens`` tokens into ``seq``'s slot."""
+    def take_prefix(self, seq: Sequence, num_tokens: int, cached_tokens: int) -> None:
+        """Copy the checkpoint after ``num_tokens`` tokens into ``seq``'s slot; where the KV
+        cache holds more (``cached_tokens``), the prefix up to there is shared: ``seq`` keeps
+        a checkpoint there as it recomputes it (``StateCheckpoints.want``)."""
+        if self.prefix_caching and cached_tokens > num_tokens:
+            self.checkpoints.want(seq, cached_tokens)
         if num_tokens == 0:
             return
         row = self.checkpoints.find(seq, num_tokens)
@@ -105,17 +109,13 @@ class RecurrentSlotPool(CachePool):
                                 + num_tokens, claim=False))
 
     def _saves(self, seq: Sequence, start: int, end: int, claim: bool) -> list[tuple[int, int]]:
-        """The checkpoint boundaries ``b`` in ``(start, end]`` of ``seq`` with no checkpoint
-        yet, as ``(b, row)``; with ``claim``, each gets its row (``StateCheckpoints.add``; row
-        -1 without)."""
-        if not self.prefix_caching:
+        """``[(b, row)]`` for ``seq``'s branch point ``b`` if it lies in ``(start, end]`` with
+        no checkpoint yet (``[]`` otherwise); with ``claim``, ``row`` is the row claimed for
+        it (``StateCheckpoints.add``), else -1."""
+        b = self.checkpoints.wanted(seq) if self.prefix_caching else None
+        if b is None or not start < b <= end or self.checkpoints.find(seq, b) is not None:
             return []
-        bs = self.checkpoints.block_size
-        saves = []
-        for b in range((start // bs + 1) * bs, end + 1, bs):
-            if self.checkpoints.is_boundary(seq, b) and self.checkpoints.find(seq, b) is None:
-                saves.append((b, self.checkpoints.add(seq, b) if claim else -1))
-        return saves
+        return [(b, self.checkpoints.add(seq, b) if claim else -1)]
 
     @torch.no_grad()
     def _copy(self, sources: list[int], targets: list[int]) -> None:

@@ -148,7 +148,7 @@ class CacheRegistry:
                 break
             prefix = shortest
         for pool in self.pools.values():
-            pool.take_prefix(seq, prefix)
+            pool.take_prefix(seq, prefix, found)
         self.prefix_queries += 1
         self.prefix_query_tokens += len(seq)
         self.prefix_hit_tokens += prefix

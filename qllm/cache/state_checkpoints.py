@@ -2,7 +2,14 @@
 holds the state after which cached prefix, with LRU eviction.
 
 A checkpoint is the state of every recurrent layer (conv and SSM state) after the first ``b``
-tokens of some sequence, ``b`` a KV block boundary. It is keyed by the chain hash of the KV
+tokens of some sequence, ``b`` a KV block boundary. Checkpoints are kept where prefixes are
+shared, not on a grid: a sequence wants one at its *branch point*, the end of its cached KV
+prefix, when that prefix reaches past the last checkpoint it could restore (``want``): the KV
+blocks there were computed by another sequence, so the prefix is shared, and the next
+sequence sharing it restores the state instead of recomputing it. A prompt that shares
+nothing saves nothing (no workload without shared prefixes pays for the cache), and each
+shared prefix is recomputed once more than with a checkpoint at every block, by the sequence
+that first finds it shared. It is keyed by the chain hash of the KV
 block that ends at ``b`` (``block_manager.chain_hash``, the hash the paged-KV prefix cache
 registers that block under) and checked against that block's tokens, as the block manager
 checks its hits. It is usable only while the KV blocks of its prefix are cached: a hit needs
@@ -22,14 +29,14 @@ from qllm.cache.block_manager import chain_hash
 class StateCheckpoints:
     """``num_rows`` checkpoint rows, numbered from ``first_row`` in the state storage."""
 
-    def __init__(self, first_row: int, num_rows: int, block_size: int, interval_blocks: int):
+    def __init__(self, first_row: int, num_rows: int, block_size: int):
         self.block_size = block_size
-        self.interval = block_size * interval_blocks
         self.num_rows = num_rows
         self.free_rows = list(range(first_row + num_rows - 1, first_row - 1, -1))
         # block hash -> (row, tokens of that block), least recently used first
         self.entries: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()
         self._hashes: dict[int, list[int]] = {}  # seq_id -> chain hashes of its full blocks
+        self._wanted: dict[int, int] = {}  # seq_id -> its branch point (``want``)
         self.num_saved = 0
         self.num_restored = 0
         self.num_evicted = 0  # dropped for room (LRU) or because their KV blocks left
@@ -48,14 +55,17 @@ class StateCheckpoints:
 
     def forget_sequence(self, seq: Sequence) -> None:
         self._hashes.pop(seq.seq_id, None)
+        self._wanted.pop(seq.seq_id, None)
 
-    def is_boundary(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether a checkpoint is kept after ``num_tokens`` tokens of ``seq``: every
-        ``interval`` tokens, and at the last block boundary of its prompt."""
-        if num_tokens <= 0 or num_tokens % self.block_size or num_tokens > len(seq.token_ids):
-            return False
-        return num_tokens % self.interval == 0 or \
-            num_tokens == seq.num_prompt_tokens // self.block_size * self.block_size
+    def want(self, seq: Sequence, num_tokens: int) -> None:
+        """``seq`` (just admitted) recomputes its first ``num_tokens`` tokens, a prefix the KV
+        cache holds (a block boundary past any checkpoint it could restore): keep the state
+        after them when it passes there."""
+        self._wanted[seq.seq_id] = num_tokens
+
+    def wanted(self, seq: Sequence) -> int | None:
+        """The boundary after which ``seq`` keeps a checkpoint (``want``), or None."""
+        return self._wanted.get(seq.seq_id)
 
     # ------------------------------------------------------------------ entries
     def _tokens(self, seq: Sequence, num_tokens: int) -> tuple[int, ...]:

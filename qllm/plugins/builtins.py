@@ -23,8 +23,7 @@ def qllm_cache_kinds():
         CacheKindSpec(
             name="recurrent_slot",
             factory=lambda layers, units, config, device: RecurrentSlotPool(
-                layers, units, device, config.prefix_state_cache_slots, config.block_size,
-                config.prefix_state_interval_blocks),
+                layers, units, device, config.prefix_state_cache_slots, config.block_size),
             bytes_per_unit=lambda layers, config: bytes_per_slot(layers),
             fixed_units=lambda config: config.max_num_seqs,
             reserved_bytes=lambda layers, config:
