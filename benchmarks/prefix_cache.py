@@ -12,9 +12,15 @@ Qwen3.5-35B-A3B geometry (``load_format="dummy"``).
 Each mode runs in its own process. Before the timed requests one request with the system
 prompt (and a suffix of its own) is served in both modes, as a server with a fixed system
 prompt would have served one already (``--cold`` skips it: then requests admitted in the same
-step cannot hit each other). Prints one JSON line per mode: mean / p50 / p90 time to first
-token (from submission, all requests submitted at once), output throughput, wall seconds, the
-prefix-cache counters (``CacheRegistry.prefix_cache_stats``) and the commit.
+step cannot hit each other). The timed requests run ``--passes`` times (2), each pass with
+suffixes of its own: in the first, with the cache on, the first requests find the system
+prompt's KV blocks but no state checkpoint (one request served it, nothing shared it yet), so
+they recompute it and keep one at that branch point; later passes find it, as a server does
+once it has seen the system prompt shared. Prints one JSON line per mode, with one entry per
+pass: mean / p50 / p90 time to first token (from submission, all requests submitted at
+once), output throughput, wall seconds, the prefill steps (``StepTimeline``: tokens and
+seconds of each, which shows a compile or a recomputation), the prefix-cache counters
+(``CacheRegistry.prefix_cache_stats``); and the commit.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import time
 
 import torch
 
+from step_timeline import StepTimeline
 from workloads import QWEN3_5_35B_A3B, commit, write_config
 
 
@@ -44,22 +51,39 @@ def run(model_dir: str, cached: bool, args) -> dict:
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               enable_prefix_caching=cached,
               prefix_state_cache_slots=args.state_slots if cached else 0,
-              prefix_state_interval_blocks=args.interval_blocks,
               max_num_batched_tokens=args.max_num_batched_tokens)
     engine = llm.engine
     vocab = engine.vocab_size
     rng = random.Random(0)
     system = [rng.randrange(2, vocab) for _ in range(args.system_tokens)]
-    suffixes = [[rng.randrange(2, vocab) for _ in range(args.suffix_tokens)]
-                for _ in range(args.num_requests + 1)]
-    params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
     if not args.cold:  # the system prompt seen once before (in both modes)
-        llm.generate([system + suffixes[-1]], SamplingParams(max_tokens=1), use_tqdm=False)
-    stats_before = engine.cache.prefix_cache_stats()
+        suffix = [rng.randrange(2, vocab) for _ in range(args.suffix_tokens)]
+        llm.generate([system + suffix], SamplingParams(max_tokens=1), use_tqdm=False)
+    passes = []
+    for _ in range(args.passes):
+        suffixes = [[rng.randrange(2, vocab) for _ in range(args.suffix_tokens)]
+                    for _ in range(args.num_requests)]
+        passes.append(timed_pass(engine, [system + suffix for suffix in suffixes], args))
+    return {
+        "bench": "prefix_cache", "prefix_cache": cached, "cold": args.cold,
+        "num_requests": args.num_requests, "system_tokens": args.system_tokens,
+        "suffix_tokens": args.suffix_tokens, "output_tokens": args.output_tokens,
+        "num_layers": args.num_layers, "state_slots": args.state_slots if cached else 0,
+        "passes": passes, "commit": commit(),
+    }
 
+
+def timed_pass(engine, prompts: list[list[int]], args) -> dict:
+    """Submit ``prompts`` at once and serve them to the end: time to first token of each,
+    throughput, the prefill steps and what the prefix cache did meanwhile."""
+    from qllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
+    stats_before = engine.cache.prefix_cache_stats()
+    timeline = StepTimeline(engine)
     synchronize(args.device)
     start = time.perf_counter()
-    seqs = [engine.add_request(system + suffix, params) for suffix in suffixes[:-1]]
+    seqs = [engine.add_request(prompt, params) for prompt in prompts]
     first_token: dict[int, float] = {}
     while engine.has_unfinished():
         for seq in engine.step():
@@ -67,24 +91,20 @@ def run(model_dir: str, cached: bool, args) -> dict:
                 first_token[seq.seq_id] = time.perf_counter() - start
     synchronize(args.device)
     seconds = time.perf_counter() - start
+    timeline.stop()
     ttft = sorted(first_token[seq.seq_id] for seq in seqs)
     stats = engine.cache.prefix_cache_stats()
     return {
-        "bench": "prefix_cache", "prefix_cache": cached, "cold": args.cold,
-        "num_requests": args.num_requests, "system_tokens": args.system_tokens,
-        "suffix_tokens": args.suffix_tokens, "output_tokens": args.output_tokens,
-        "num_layers": args.num_layers, "state_slots": args.state_slots if cached else 0,
-        "interval_blocks": args.interval_blocks,
         "mean_ttft_seconds": round(statistics.fmean(ttft), 4),
         "p50_ttft_seconds": round(ttft[len(ttft) // 2], 4),
         "p90_ttft_seconds": round(ttft[min(len(ttft) - 1, len(ttft) * 9 // 10)], 4),
         "output_tok_per_s": round(sum(seq.num_output_tokens for seq in seqs) / seconds, 1),
         "seconds": round(seconds, 3),
+        "prefill": timeline.summary().get("prefill"),
         "cached_tokens": sum(seq.num_cached_tokens for seq in seqs),
         "prefix_cache_stats": {k: v - stats_before.get(k, 0) if k.endswith(
             ("queries", "tokens", "saved", "restored", "evicted")) else v
             for k, v in stats.items()},
-        "commit": commit(),
     }
 
 
@@ -101,8 +121,8 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--state-slots", type=int, default=64,
                         help="prefix_state_cache_slots with the cache on")
-    parser.add_argument("--interval-blocks", type=int, default=1,
-                        help="prefix_state_interval_blocks")
+    parser.add_argument("--passes", type=int, default=2,
+                        help="timed passes of --num-requests requests each")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
