@@ -42,13 +42,6 @@
 #   prefix_cache.py (64 requests sharing a 4,000-token prompt, cache off then on);
 #   prefix-cache-tests: the hybrid prefix cache's CUDA test (cache on vs off, fp32, a
 #   checkpoint saved in a 608-token round through fla);
-#   moe-slot-fused: the one-launch MoE of 1-4 tokens (opt-in QLLM_MOE_SLOT=fused,
-#   plugins/kernels_moe triton_slot_fused.py): its CUDA tests (35B-A3B parity at 1-4 tokens,
-#   every candidate config, against the two-launch path, bit-equal graph replays, 2,000
-#   launches), the op's CUDA parity / table / forced-config / graph / compile tests with
-#   QLLM_MOE_SLOT=fused, then bench_moe.py --slot-fused (two launches against the one, at 1
-#   and 4 tokens, per candidate config: us, TB/s); QLLM_MOE_SLOT=fused in the environment runs
-#   any stage (w3 included) on the one launch;
 #   int8-tests: that plugin's kernel, accuracy and weight-format tests; config-tests: the Qwen3.5 config variants (a shared
 #   expert of another size) on CUDA; profile-w1/w2/w3,
 #   profile-w1-prefill, profile-w2-prefill: profile_step.py;
@@ -120,14 +113,6 @@ for stage in "$@"; do
                                 plugins/kernels_gdn/tests/test_kernels_gdn.py \
                                 plugins/kernels_attention/tests/test_kernels_attention.py -k \
                                 "(triton_align or cuda_graph or compiled or test_parity or every_table or forced or conv_ or gdn_prefill_parity or gdn_decode_parity or rms_norm_gated or qk_norm_rope) and not interpreted" ;;
-        moe-slot-fused) run moe_slot_fused_tests 240 python3 -m pytest $PYTEST_GPU \
-                            plugins/kernels_moe/tests/test_kernels_moe.py \
-                            -k "fused_slot and not interpreted"
-                        run moe_slot_fused_op_tests 300 env QLLM_MOE_SLOT=fused python3 -m \
-                            pytest $PYTEST_GPU plugins/kernels_moe/tests/test_kernels_moe.py -k \
-                            "(test_parity or every_table or forced or cuda_graph or compiled) and not interpreted"
-                        TAIL=${TAIL:-42} run bench_moe_slot_fused 200 python3 \
-                            plugins/kernels_moe/benchmarks/bench_moe.py --slot-fused ;;
         attention-tests) run attention_tests 300 python3 -m pytest $PYTEST_GPU \
                              plugins/kernels_attention/tests/test_kernels_attention.py ;;
         linear-tests) run linear_tests 300 python3 -m pytest $PYTEST_GPU \

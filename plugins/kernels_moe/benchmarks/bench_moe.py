@@ -24,14 +24,7 @@ over several runs with ``--tokens`` and ``--block-m``: an entry records its time
 ``--grid quick`` tries fewer tiles; ``--grid decode`` the tiles of weight-streaming decode
 batches.
 
-``--slot-fused`` times the small-batch path at 1 and 4 tokens both ways, as CUDA-graph
-replays with the L2 flushed: the two launches (``slot_gate_up`` then ``slot_down``, the table's
-configs; each alone too) against the one launch of ``triton_slot_fused`` (opt-in through
-``QLLM_MOE_SLOT=fused``) at each config of ``FUSED_SLOT_CANDIDATES``: us, TB/s, the speed-up,
-the largest difference from the two-launch output, and whether two runs are bit-equal.
-
     python plugins/kernels_moe/benchmarks/bench_moe.py [--impl triton torch]
-    python plugins/kernels_moe/benchmarks/bench_moe.py --slot-fused [--tokens 1 4]
     python plugins/kernels_moe/benchmarks/bench_moe.py \
         --tune [--grid quick|decode] [--tokens 1 2 4 8 ... 4096]
         [--block-m 1 16 32 64 128]
@@ -40,7 +33,6 @@ the largest difference from the two-launch output, and whether two runs are bit-
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -52,12 +44,10 @@ from qllm.ops.moe import fused_moe as torch_fused_moe
 from qllm.testing.benchmarking import print_table, time_ms
 from qllm_kernels_moe import ops
 from qllm_kernels_moe.align import moe_align
-from qllm_kernels_moe.configs import (FUSED_SLOT_CANDIDATES, GemmConfig, MoeConfig,
-                                      config_path, get_config, load_table)
+from qllm_kernels_moe.configs import GemmConfig, MoeConfig, config_path, get_config, load_table
 from qllm_kernels_moe.testing import MoeInputs, moe_inputs
 from qllm_kernels_moe.triton_align import moe_align_triton
 from qllm_kernels_moe.triton_moe import down, fused_moe_triton, gate_up
-from qllm_kernels_moe.triton_slot_fused import _WORKSPACES, slot_moe_fused
 from qllm_kernels_moe.triton_slot_moe import slot_down, slot_gate_up
 
 EXPERTS, TOP_K, HIDDEN, INTER, DTYPE = 256, 8, 2048, 512, torch.bfloat16
@@ -116,58 +106,6 @@ COLUMNS = [("case", "case", 16, None), ("impl", "impl", 8, None), ("ms", "ms", 9
            ("triton_align_ms", "tr_align", 10, ".4f"), ("gbps", "GB/s", 9, ".1f"),
            ("pct_peak_bw", "%peak", 7, ".1f"), ("tflops", "TFLOP/s", 9, ".1f"),
            ("max_err", "max_err", 9, ".4f")]
-
-
-# ----------------------------------------------------------------------------- one launch
-
-SLOT_FUSED_TOKENS = (1, 4)
-SLOT_COLUMNS = [("tokens", "T", 3, "d"), ("impl", "impl", 24, None), ("us", "us", 8, ".2f"),
-                ("tbps", "TB/s", 6, ".2f"), ("speedup", "x split", 8, ".3f"),
-                ("up_us", "up_us", 8, ".2f"), ("down_us", "down_us", 8, ".2f"),
-                ("max_diff", "max_diff", 9, ".5f"), ("deterministic", "bit-eq", 6, None)]
-
-
-def measure_slot_fused(token_counts=SLOT_FUSED_TOKENS) -> list[dict]:
-    """The small-batch path's two launches against the one launch at each candidate config:
-    CUDA-graph replays, L2 flushed before each (``time_ms``); TB/s counts the bytes of
-    ``traffic`` (each expert hit read once, x, the per-slot outputs)."""
-    rows = []
-    for tokens in token_counts:
-        inputs = moe_inputs(tokens, EXPERTS, HIDDEN, INTER, TOP_K, DTYPE, "cuda")
-        x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2 = inputs
-        nbytes, _ = traffic(inputs)
-        config = get_config(tokens, EXPERTS, 2 * INTER, HIDDEN, TOP_K)
-        if config.BLOCK_M != 1:
-            print(f"T={tokens}: the table's entry is not the small-batch path; skipped")
-            continue
-
-        def split():
-            hidden = slot_gate_up(x, w13, shared_w13, topk_ids, config.up)
-            return slot_down(hidden, w2, shared_w2, topk_weights, topk_ids, config.down)
-
-        hidden = slot_gate_up(x, w13, shared_w13, topk_ids, config.up)
-        expected = split()
-        split_ms = time_ms(split, graph=True)
-        up_ms = time_ms(lambda: slot_gate_up(x, w13, shared_w13, topk_ids, config.up), True)
-        down_ms = time_ms(lambda: slot_down(hidden, w2, shared_w2, topk_weights, topk_ids,
-                                            config.down), True)
-        rows.append(dict(tokens=tokens, impl="split (2 launches)", us=split_ms * 1e3,
-                         tbps=nbytes / split_ms / 1e9, speedup=1.0, up_us=up_ms * 1e3,
-                         down_us=down_ms * 1e3, max_diff=0.0,
-                         deterministic=str(torch.equal(split(), expected))))
-        for candidate in FUSED_SLOT_CANDIDATES:
-            name = "fused u{}x{} d{} w{} s{}".format(*dataclasses.astuple(candidate))
-            out = slot_moe_fused(*inputs, config=candidate)
-            ms = time_ms(lambda: slot_moe_fused(*inputs, config=candidate), graph=True)
-            again = slot_moe_fused(*inputs, config=candidate)
-            rows.append(dict(tokens=tokens, impl=name, us=ms * 1e3, tbps=nbytes / ms / 1e9,
-                             speedup=split_ms / ms,
-                             max_diff=(out.float() - expected.float()).abs().max().item(),
-                             deterministic=str(torch.equal(out, again))))
-    torch.cuda.synchronize()
-    dirty = [c for workspaces in _WORKSPACES.values() for c in workspaces if c.any()]
-    print(f"counters left zero: {not dirty}")
-    return rows
 
 
 # ----------------------------------------------------------------------------- tuning
@@ -318,12 +256,8 @@ def main() -> None:
     parser.add_argument("--impl", nargs="+", default=["triton", "torch"],
                         choices=["triton", "torch"])
     parser.add_argument("--tune", action="store_true", help="sweep configs, rewrite the table")
-    parser.add_argument("--slot-fused", action="store_true",
-                        help="the small-batch path: two launches against the one launch")
-    parser.add_argument("--tokens", nargs="+", type=int, default=None,
-                        help="token counts to tune (with --tune; default all of "
-                        f"{TUNE_TOKENS}) or to time (with --slot-fused; default "
-                        f"{SLOT_FUSED_TOKENS})")
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(TUNE_TOKENS),
+                        help="token counts to tune (with --tune)")
     parser.add_argument("--grid", choices=sorted(GRIDS), default="full",
                         help="tile grid of the sweep (with --tune)")
     parser.add_argument("--block-m", nargs="+", type=int, default=list(BLOCK_MS),
@@ -331,10 +265,7 @@ def main() -> None:
                         "small-batch path); an entry tuned faster on this device is kept")
     args = parser.parse_args()
     if args.tune:
-        tune(args.tokens or list(TUNE_TOKENS), GRIDS[args.grid], tuple(args.block_m))
-        return
-    if args.slot_fused:
-        print_table(measure_slot_fused(args.tokens or SLOT_FUSED_TOKENS), SLOT_COLUMNS)
+        tune(args.tokens, GRIDS[args.grid], tuple(args.block_m))
         return
     rows = []
     for name, tokens in CASES.items():

@@ -50,31 +50,6 @@ class MoeConfig:
                 "down": dataclasses.asdict(self.down)}
 
 
-@dataclass(frozen=True)
-class FusedSlotConfig:
-    """The one-launch small-batch kernel (``triton_slot_fused``, opt-in): a gate/up task
-    computes ``UP_ROWS`` intermediate columns of one slot (``2 * UP_ROWS`` weight rows of
-    ``H``, in steps of ``UP_BLOCK_K``), a down task ``DOWN_ROWS`` output rows (``DOWN_ROWS``
-    rows of ``I``, loaded at once); both kinds of task share ``num_warps`` and ``num_stages``.
-    The default follows the two-kernel path's tuned 1-token gate/up entry (4 x 512 tiles) with
-    down tasks of 16 KiB (8 of them per gate/up task's 32 KiB), 4 warps; not yet measured
-    (``bench_moe.py --slot-fused`` times ``FUSED_SLOT_CANDIDATES``)."""
-
-    UP_ROWS: int = 4
-    UP_BLOCK_K: int = 512
-    DOWN_ROWS: int = 16
-    num_warps: int = 4
-    num_stages: int = 1
-
-
-# What bench_moe.py --slot-fused times against the two-kernel path (the default first), each
-# compiled for sm_90 without spills under Triton 3.6 and 3.7 (test_fused_slot_sass):
-# (UP_ROWS, UP_BLOCK_K, DOWN_ROWS, num_warps, num_stages)
-FUSED_SLOT_CANDIDATES = tuple(FusedSlotConfig(*entry) for entry in (
-    (4, 512, 16, 4, 1), (4, 512, 8, 2, 1), (2, 512, 8, 2, 1), (2, 512, 16, 4, 1),
-    (4, 512, 8, 4, 1), (8, 256, 16, 4, 1), (4, 1024, 16, 4, 1), (8, 512, 16, 8, 1)))
-
-
 def config_path(num_experts: int, n: int, k: int) -> Path:
     """The table for ``gate_up_proj [E, N, K]``."""
     return CONFIG_DIR / f"E={num_experts},N={n},K={k}.json"

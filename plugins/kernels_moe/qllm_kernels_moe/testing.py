@@ -1,15 +1,10 @@
-"""Random routed-expert inputs for the parity tests and the benchmark, and the offline sm_90
-compile of the one-launch slot kernel (registers, spills, SASS) for the CPU tests and for
-whichever Triton is installed (3.6 on the H200's image, 3.7 in CI)."""
+"""Random routed-expert inputs for the parity tests and the benchmark."""
 
 from __future__ import annotations
 
-import collections
 from typing import NamedTuple
 
 import torch
-
-from qllm.testing.sm90 import compile_for_sm90, resource_usage, sass_instructions
 
 
 class MoeInputs(NamedTuple):
@@ -52,56 +47,3 @@ def moe_inputs(tokens: int, num_experts: int, hidden: int, inter: int, top_k: in
         shared_w13=randn(2 * inter, hidden, scale=hidden ** -0.5),
         shared_w2=randn(hidden, inter, scale=inter ** -0.5),
     )
-
-
-# ----------------------------------------------------------------------------- offline sm_90
-
-def compile_fused_slot(tokens: int, config, num_experts: int = 256, hidden: int = 2048,
-                       inter: int = 512, top_k: int = 9, dtype: torch.dtype = torch.bfloat16):
-    """The one-launch slot kernel (``triton_slot_fused``) compiled for sm_90 as it would be
-    launched for ``tokens`` tokens at the given expert shape (Qwen3.5-35B-A3B's by default:
-    top-8 plus the shared expert, 9 slots) with ``config`` (a ``FusedSlotConfig``)."""
-    from qllm_kernels_moe.triton_slot_fused import _fused_slot_moe_kernel, fused_slot_args
-
-    def meta(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
-        return torch.empty(*shape, dtype=dtype, device="meta")
-
-    slots = tokens * top_k
-    _, args = fused_slot_args(
-        meta(tokens, hidden), meta(num_experts, 2 * inter, hidden),
-        meta(num_experts, hidden, inter), meta(tokens, top_k),
-        meta(tokens, top_k, dtype=torch.int64), meta(2 * inter, hidden), meta(hidden, inter),
-        meta(slots, inter), meta(slots, hidden), meta(1024, dtype=torch.int32), config)
-    return compile_for_sm90(_fused_slot_moe_kernel, args,
-                            dict(num_warps=config.num_warps, num_stages=config.num_stages))
-
-
-def sass_summary(compiled) -> dict:
-    """Registers, spilled bytes (stack + local), shared memory, and the SASS opcode counts of
-    a kernel compiled by ``compile_for_sm90``; ``sass`` the disassembly (opcodes, operands)
-    in order."""
-    sass = [(opcode, operands) for _, opcode, operands in sass_instructions(compiled)]
-    return dict(**resource_usage(compiled),
-                opcodes=dict(collections.Counter(op.split(".")[0] for op, _ in sass)),
-                sass=sass)
-
-
-def fused_slot_prefetch(sass: list[tuple[str, str]]) -> tuple[int, int]:
-    """In the one-launch slot kernel's SASS (``sass_summary(...)["sass"]``), the down task's
-    plain global loads issued before its first poll of the ``ready`` counter (the first
-    ``LDG.E.STRONG.SYS``, a volatile load) since the previous ``EXIT``, and those issued
-    after it up to its output store (``STG``): the ``w2`` tile is meant to be all in the
-    first count (prefetched while the slot's gate/up tasks finish), the second 0 (the
-    ``hidden`` row is read through L2: ``LDG.E...STRONG.GPU``)."""
-    polls = [i for i, (op, _) in enumerate(sass) if op.startswith("LDG") and "STRONG.SYS" in op]
-    if not polls:
-        raise ValueError("no volatile poll in this SASS")
-    poll = polls[0]
-    start = max([i for i, (op, _) in enumerate(sass[:poll]) if op == "EXIT"], default=-1)
-    stores = [i for i, (op, _) in enumerate(sass) if i > poll and op.startswith("STG")]
-    end = stores[0] if stores else len(sass)
-
-    def plain_loads(part):
-        return sum(op.startswith("LDG") and "STRONG" not in op for op, _ in part)
-
-    return plain_loads(sass[start + 1:poll]), plain_loads(sass[poll:end])

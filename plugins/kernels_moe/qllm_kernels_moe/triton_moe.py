@@ -18,9 +18,7 @@ slots, slot ``t * k + j``; the model's last slot per token is the shared expert'
 
 Every launch size follows from the shapes (blocks past ``num_blocks`` exit at once), so the
 whole op is free of host syncs and capturable in a CUDA graph. A table entry with ``BLOCK_M``
-1 takes the small-batch path of ``triton_slot_moe`` instead: one program per slot, no sort
-(two launches; with ``QLLM_MOE_SLOT=fused`` in the environment, the one launch of
-``triton_slot_fused``).
+1 takes the small-batch path of ``triton_slot_moe`` instead: one program per slot, no sort.
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm_kernels_moe import triton_slot_fused
 from qllm_kernels_moe.align import SortedSlots
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
 from qllm_kernels_moe.triton_align import moe_align_triton
@@ -176,10 +173,6 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         config = get_config(tokens, num_experts, gate_up_rows, hidden_size, top_k)
     x = x if x.stride(-1) == 1 else x.contiguous()
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
-    if config.BLOCK_M == 1 and triton_slot_fused.SLOT_MODE == "fused":
-        expert_out = triton_slot_fused.slot_moe_fused(x, w13, w2, topk_weights, topk_ids,
-                                                      shared_w13, shared_w2)
-        return expert_out.view(tokens, top_k, hidden_size)
     if config.BLOCK_M == 1:
         hidden = slot_gate_up(x, w13, shared_w13, topk_ids, config.up)  # [S, I]
         expert_out = slot_down(hidden, w2, shared_w2, topk_weights, topk_ids, config.down)

@@ -17,8 +17,7 @@ entry with ``BLOCK_M == 1``) with ``x [T, H]``, ``topk_ids [T, k]`` (``S = T * k
 An expert hit by several slots is read once per slot (from L2 after the first), so the path
 pays only while slots rarely share experts: the tuner decides up to which token count.
 Products are accumulated over ``[BLOCK_N, BLOCK_K]`` tiles in fp32 and reduced once per row at
-the end. No host syncs: capturable in a CUDA graph. ``triton_slot_fused`` runs both GEMVs in
-one launch instead (opt-in, ``QLLM_MOE_SLOT=fused``).
+the end. No host syncs: capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -47,11 +46,16 @@ def _slot_weight_tile(ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_exp
 
 
 @triton.jit
-def _gate_up_rows(x_ptrs, gate_ptrs, up_ptrs, row_mask, ks, K, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    """``silu(x . gate_n) * (x . up_n)`` for ``BLOCK_N`` weight rows ``n`` (``gate_ptrs``,
-    ``up_ptrs`` [BN, BK] at their first ``BLOCK_K`` columns, ``x_ptrs`` [BK]) over ``K``
-    columns, in fp32: ``[BN]``."""
+def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
+                         num_experts, N, K, stride_x_row, stride_w_expert, stride_w_row,
+                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` for slot ``s`` of token
+    ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``)."""
+    slot, rows, row_mask, ks, gate_ptrs = _slot_weight_tile(
+        ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_expert, stride_w_row, BLOCK_N,
+        BLOCK_K)  # gate_ptrs: [BN, BK]
+    x_ptrs = x_ptr + (slot // TOP_K) * stride_x_row + ks  # [BK]
+    up_ptrs = gate_ptrs + N * stride_w_row
     gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
@@ -64,21 +68,7 @@ def _gate_up_rows(x_ptrs, gate_ptrs, up_ptrs, row_mask, ks, K, BLOCK_N: tl.const
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
     gate_sum = tl.sum(gate, axis=1)  # [BN]
-    return gate_sum * tl.sigmoid(gate_sum) * tl.sum(up, axis=1)
-
-
-@triton.jit
-def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
-                         num_experts, N, K, stride_x_row, stride_w_expert, stride_w_row,
-                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` for slot ``s`` of token
-    ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``)."""
-    slot, rows, row_mask, ks, gate_ptrs = _slot_weight_tile(
-        ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_expert, stride_w_row, BLOCK_N,
-        BLOCK_K)  # gate_ptrs: [BN, BK]
-    x_ptrs = x_ptr + (slot // TOP_K) * stride_x_row + ks  # [BK]
-    out = _gate_up_rows(x_ptrs, gate_ptrs, gate_ptrs + N * stride_w_row, row_mask, ks, K,
-                        BLOCK_N, BLOCK_K)
+    out = gate_sum * tl.sigmoid(gate_sum) * tl.sum(up, axis=1)
     tl.store(hidden_ptr + slot * N + rows, out.to(hidden_ptr.dtype.element_ty), mask=row_mask)
 
 

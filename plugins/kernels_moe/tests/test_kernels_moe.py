@@ -3,23 +3,16 @@
 - CUDA (skipped without a GPU): bf16 parity for T in {1, 7, 64, 256, 2048} at the
   Qwen3.5-35B-A3B shape and two smaller ones, skewed routing, every entry of the shipped
   block-size table, forced configs, fp16, CUDA-graph replay, compiled decode, ``opcheck``, the
-  Triton sort against ``moe_align`` and the Triton router against ``moe_router``; the
-  one-launch slot kernel (``QLLM_MOE_SLOT=fused``, ``triton_slot_fused``) at the 35B-A3B shape
-  for 1-4 tokens with every candidate config, against the reference and the two-kernel path,
-  bit-equal run to run and in CUDA-graph replays, its counters left zero.
+  Triton sort against ``moe_align`` and the Triton router against ``moe_router``.
 - CPU: the sort (``moe_align``) against a naive layout, the config tables, the custom op's
   fake path under ``torch.compile(fullgraph=True)``, the plugin's registration, and, under the
   Triton interpreter, the Triton align against ``moe_align``, the router against
-  ``moe_router`` and parity at tiny shapes (the one-launch slot kernel too, 1-4 tokens, bf16,
-  fp16, fp32); the one-launch slot kernel compiled offline for sm_90 (registers, no spills,
-  its ``w2`` tile loaded before its wait) by the installed Triton. The interpreter must be
-  switched on before Triton is imported, so ``test_triton_interpreter`` reruns this file's
-  ``interpreted`` tests in a subprocess with ``TRITON_INTERPRET=1``.
+  ``moe_router`` and parity at tiny shapes. The interpreter must be switched on before Triton is
+  imported, so ``test_triton_interpreter`` reruns this file's ``interpreted`` tests in a
+  subprocess with ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -33,9 +26,8 @@ from qllm.ops import moe as reference  # noqa: E402
 from qllm.plugins.registry import PluginRegistry  # noqa: E402
 from qllm_kernels_moe import ops, plugin  # noqa: E402
 from qllm_kernels_moe.align import max_padded_slots, moe_align  # noqa: E402
-from qllm_kernels_moe.configs import (FUSED_SLOT_CANDIDATES, FusedSlotConfig,  # noqa: E402
-                                      GemmConfig, MoeConfig, default_config, get_config,
-                                      load_table)
+from qllm_kernels_moe.configs import (GemmConfig, MoeConfig, default_config,  # noqa: E402
+                                      get_config, load_table)
 from qllm_kernels_moe.testing import MoeInputs, moe_inputs  # noqa: E402
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}
@@ -185,13 +177,12 @@ def test_cuda_graph_replay():
         _assert_close(out, _reference(inputs), torch.bfloat16)
 
 
-def _check_compiled_decode_matches_eager(token_counts, *shape: int) -> None:
-    """``fused_moe`` under a ``fullgraph`` CUDA-graph compile with a dynamic batch size, like
-    the decode step, bit-equal to eager at each of ``token_counts`` (``moe_inputs``'s
-    ``shape`` after the token count)."""
+@cuda
+def test_compiled_decode_matches_eager():
+    """A ``fullgraph`` CUDA-graph compile with a dynamic batch size, like the decode step."""
     compiled = torch.compile(_moe_layer, fullgraph=True, mode="reduce-overhead", dynamic=True)
-    for tokens in token_counts:
-        inputs = moe_inputs(tokens, *shape, device="cuda")
+    for tokens in (16, 48):
+        inputs = moe_inputs(tokens, 64, 512, 256, 4, device="cuda")
         eager = ops.fused_moe(*inputs)
         for _ in range(3):  # warm-up, record, replay
             out = compiled(*inputs)
@@ -199,129 +190,8 @@ def _check_compiled_decode_matches_eager(token_counts, *shape: int) -> None:
 
 
 @cuda
-def test_compiled_decode_matches_eager():
-    _check_compiled_decode_matches_eager((16, 48), 64, 512, 256, 4)
-
-
-@cuda
 def test_opcheck_cuda():
     opcheck_op("cuda", torch.bfloat16)
-
-
-# ----------------------------------------------------------------------------- one-launch slot
-
-FUSED_TOKENS = (1, 2, 3, 4)
-FUSED_CANDIDATES = pytest.mark.parametrize(
-    "config", FUSED_SLOT_CANDIDATES,
-    ids=["u{}x{}-d{}-w{}-s{}".format(*dataclasses.astuple(c)) for c in FUSED_SLOT_CANDIDATES])
-
-
-@pytest.fixture
-def slot_mode_fused(monkeypatch):
-    """The op's small-batch path on the one-launch kernel, as ``QLLM_MOE_SLOT=fused`` would
-    set it at import."""
-    from qllm_kernels_moe import triton_slot_fused
-
-    monkeypatch.setattr(triton_slot_fused, "SLOT_MODE", "fused")
-
-
-def counters_zero(device_type: str) -> bool:
-    """Every workspace of the one-launch kernel on devices of ``device_type`` is back to
-    zero."""
-    from qllm_kernels_moe.triton_slot_fused import _WORKSPACES
-
-    return all(not counters.any() for device, workspaces in _WORKSPACES.items()
-               if device.type == device_type for counters in workspaces)
-
-
-def check_fused(inputs: MoeInputs, config: FusedSlotConfig | None = None) -> torch.Tensor:
-    """The one-launch kernel against the reference; its counters are left zero."""
-    from qllm_kernels_moe.triton_slot_fused import slot_moe_fused
-
-    out = slot_moe_fused(*inputs, config=config).view(*inputs.topk_ids.shape, -1)
-    _assert_close(out, _reference(inputs), inputs.x.dtype)
-    assert counters_zero(inputs.x.device.type)
-    return out
-
-
-@cuda
-@pytest.mark.parametrize("skew", [0.0, 10.0], ids=["random", "skewed"])
-@pytest.mark.parametrize("tokens", FUSED_TOKENS, ids=lambda n: f"t{n}")
-def test_fused_slot_parity(slot_mode_fused, tokens, skew):
-    """Through the op (its table config picks the small-batch path) at Qwen3.5-35B-A3B's
-    shape: 256 experts, top-8 plus the shared expert, hidden 2048, expert size 512."""
-    inputs = moe_inputs(tokens, 256, 2048, 512, 8, device="cuda", skew=skew)
-    check_parity(inputs)
-    assert counters_zero("cuda")
-
-
-@cuda
-@FUSED_CANDIDATES
-@pytest.mark.parametrize("tokens", [1, 4], ids=lambda n: f"t{n}")
-def test_fused_slot_configs(config, tokens):
-    """Every candidate the benchmark times, at 35B-A3B's shape, and at a shape whose expert
-    size (96) is no power of two nor a multiple of the row tiles (fp16)."""
-    check_fused(moe_inputs(tokens, 256, 2048, 512, 8, device="cuda"), config)
-    check_fused(moe_inputs(tokens, 8, 256, 96, 2, torch.float16, "cuda"), config)
-
-
-@cuda
-@pytest.mark.parametrize("tokens", FUSED_TOKENS, ids=lambda n: f"t{n}")
-def test_fused_slot_matches_split(tokens):
-    """The same arithmetic as the two-kernel path (``hidden`` rounded to bf16 in both): the
-    outputs agree to the order of the last sums."""
-    from qllm_kernels_moe.triton_moe import fused_moe_triton
-    from qllm_kernels_moe.triton_slot_fused import slot_moe_fused
-
-    inputs = moe_inputs(tokens, 256, 2048, 512, 8, device="cuda")
-    split = fused_moe_triton(*inputs).view(tokens * 9, -1)
-    fused = slot_moe_fused(*inputs)
-    torch.testing.assert_close(fused.float(), split.float(), atol=4e-3, rtol=1e-2)
-
-
-@cuda
-def test_fused_slot_deterministic_in_graph_replays():
-    """Bit-equal run to run, eagerly and in a CUDA graph replayed 50 times as the routing and
-    the activations change in place (a replay's counters are zero for the next one)."""
-    from qllm_kernels_moe.triton_slot_fused import slot_moe_fused
-
-    inputs = moe_inputs(4, 256, 2048, 512, 8, device="cuda")
-    first = slot_moe_fused(*inputs)
-    for _ in range(20):
-        assert torch.equal(slot_moe_fused(*inputs), first)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = slot_moe_fused(*inputs)
-    for seed in range(50):
-        new = moe_inputs(4, 256, 2048, 512, 8, device="cuda", seed=seed, skew=seed % 3 * 5.0)
-        for name in ("x", "topk_weights", "topk_ids"):
-            getattr(inputs, name).copy_(getattr(new, name))
-        graph.replay()
-        assert torch.equal(out, slot_moe_fused(*inputs)), seed
-    _assert_close(out.view(4, 9, -1), _reference(inputs), torch.bfloat16)
-    assert counters_zero("cuda")
-
-
-@cuda
-def test_fused_slot_many_launches():
-    """2,000 launches back to back (no sync between), 1 and 4 tokens alternating: none
-    hangs, the last results equal the first, the counters end at zero."""
-    from qllm_kernels_moe.triton_slot_fused import slot_moe_fused
-
-    inputs = [moe_inputs(tokens, 256, 2048, 512, 8, device="cuda", seed=tokens)
-              for tokens in (1, 4)]
-    expected = [slot_moe_fused(*i) for i in inputs]
-    outs = [slot_moe_fused(*inputs[n % 2]) for n in range(2000)]
-    torch.cuda.synchronize()
-    assert torch.equal(outs[-2], expected[0]) and torch.equal(outs[-1], expected[1])
-    assert counters_zero("cuda")
-
-
-@cuda
-def test_fused_slot_compiled_decode_matches_eager(slot_mode_fused):
-    """The same at the one-launch path's token counts and 35B-A3B's shape."""
-    _check_compiled_decode_matches_eager((3, 4), 256, 2048, 512, 8)
 
 
 # ----------------------------------------------------------------------------- CPU
@@ -478,45 +348,6 @@ def test_plugin_registration():
         assert names["fused_moe"] == names["moe_router"] == "torch"
 
 
-def test_slot_mode_from_env(monkeypatch):
-    from qllm_kernels_moe.triton_slot_fused import slot_mode_from_env
-
-    for value, mode in (("fused", "fused"), ("Fused", "fused"), ("split", "split"),
-                        ("", "split")):
-        monkeypatch.setenv("QLLM_MOE_SLOT", value)
-        assert slot_mode_from_env() == mode
-    monkeypatch.delenv("QLLM_MOE_SLOT")
-    assert slot_mode_from_env() == "split"
-    monkeypatch.setenv("QLLM_MOE_SLOT", "one")
-    with pytest.raises(ValueError, match="QLLM_MOE_SLOT"):
-        slot_mode_from_env()
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@FUSED_CANDIDATES
-@pytest.mark.parametrize("tokens", [1, 4], ids=lambda n: f"t{n}")
-def test_fused_slot_sass(config, tokens):
-    """The one-launch kernel as launched at 35B-A3B's shape, compiled for sm_90 by the
-    installed Triton (the H200 image's 3.6 and CI's 3.7 both checked): no spills, at most
-    168 registers (3 programs of 4 warps per SM), and the down task's ``w2`` tile loaded
-    before its wait (ptxas sinks loads below volatile polls unless a barrier holds them)."""
-    import triton
-
-    from qllm.testing.sm90 import sm90_compiler_missing
-    from qllm_kernels_moe import testing
-
-    missing = sm90_compiler_missing()
-    if missing:
-        pytest.skip(missing)
-    summary = testing.sass_summary(testing.compile_fused_slot(tokens, config))
-    before, after = testing.fused_slot_prefetch(summary["sass"])
-    where = (f"triton {triton.__version__}: {summary['registers']} registers, "
-             f"{summary['spill_bytes']} spilled, loads {before} before the wait, {after} after")
-    assert summary["spill_bytes"] == 0 and summary["registers"] <= 168, where
-    tile_loads = config.DOWN_ROWS * 512 * 2 // (16 * 32 * config.num_warps)  # 16-byte loads
-    assert before >= tile_loads and after == 0, where
-
-
 @interpreter_driver
 def test_triton_interpreter():
     """Runs the ``interpreted`` tests below on the CPU, in a subprocess with the interpreter."""
@@ -559,44 +390,3 @@ def test_interpreted_router(tokens, experts, top_k, renormalize, dtype):
 @interpreted
 def test_interpreted_opcheck():
     opcheck_op("cpu", torch.float16)
-
-
-# name -> (tokens, experts, top_k, hidden, intermediate, skew); top_k + 1 slots per token
-TINY_FUSED = {
-    "t1-e8-k2": (1, 8, 2, 32, 16, 0.0),
-    "t2-e8-k2-h48-i24": (2, 8, 2, 48, 24, 0.0),  # partial row tiles, I no power of two
-    "t3-e6-k2-skewed": (3, 6, 2, 32, 16, 10.0),  # experts shared between slots
-    "t4-e16-k4": (4, 16, 4, 64, 32, 0.0),
-}
-TINY_FUSED_CONFIGS = {"u4x16-d8-w2": FusedSlotConfig(4, 16, 8, 2),
-                      "u16x32-d32-w4": FusedSlotConfig(16, 32, 32, 4)}
-
-
-@interpreted
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
-                         ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("config", TINY_FUSED_CONFIGS.values(), ids=TINY_FUSED_CONFIGS.keys())
-@pytest.mark.parametrize("case", TINY_FUSED.values(), ids=TINY_FUSED.keys())
-def test_interpreted_fused_slot(case, config, dtype):
-    """The one-launch kernel (no ``tl.dot``: bf16 runs too), the shared expert in every
-    token's last slot; its counters are back to zero after."""
-    tokens, experts, top_k, hidden, inter, skew = case
-    check_fused(moe_inputs(tokens, experts, hidden, inter, top_k, dtype, skew=skew), config)
-
-
-@interpreted
-@pytest.mark.parametrize("tokens", FUSED_TOKENS, ids=lambda n: f"t{n}")
-def test_interpreted_fused_slot_through_op(slot_mode_fused, tokens):
-    """``QLLM_MOE_SLOT=fused``: the op's small-batch path takes the one launch (its default
-    config), and the sorted path beyond is untouched."""
-    from qllm_kernels_moe import triton_slot_fused
-
-    calls = []
-    fused = triton_slot_fused.slot_moe_fused
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(triton_slot_fused, "slot_moe_fused",
-                      lambda *args, **kwargs: calls.append(1) or fused(*args, **kwargs))
-        check_parity(moe_inputs(tokens, 8, 32, 16, 2, torch.bfloat16, seed=tokens))
-        check_parity(moe_inputs(7, 8, 32, 16, 2, torch.float16))  # 7 tokens: sorted path
-    assert calls == [1]
-    assert counters_zero("cpu")
