@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from qllm.config import EngineConfig
 from step_timeline import StepTimeline
 from workloads import QWEN3_5_35B_A3B, commit, write_config
 
@@ -119,8 +120,10 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=4000)
     parser.add_argument("--suffix-tokens", type=int, default=200)
     parser.add_argument("--output-tokens", type=int, default=128)
-    parser.add_argument("--state-slots", type=int, default=64,
-                        help="prefix_state_cache_slots with the cache on")
+    parser.add_argument("--state-slots", type=int,
+                        default=EngineConfig.prefix_state_cache_slots,
+                        help="prefix_state_cache_slots with the cache on (default: the "
+                             "engine's)")
     parser.add_argument("--passes", type=int, default=2,
                         help="timed passes of --num-requests requests each")
     parser.add_argument("--max-num-seqs", type=int, default=64)

@@ -27,6 +27,7 @@ import time
 import torch
 
 import profile_step
+from qllm.config import EngineConfig
 from step_timeline import StepTimeline
 from workloads import commit, workload, write_config
 
@@ -160,8 +161,10 @@ def main() -> int:
                         help="read each step's tokens before scheduling the next")
     parser.add_argument("--recurrent-state-dtype", default="float32",
                         help="GDN state dtype of hybrid models (float32 or bfloat16)")
-    parser.add_argument("--prefix-state-cache-slots", type=int, default=0,
-                        help="recurrent-state checkpoints of the hybrid prefix cache (0: off)")
+    parser.add_argument("--prefix-state-cache-slots", type=int,
+                        default=EngineConfig.prefix_state_cache_slots,
+                        help="recurrent-state checkpoints of the hybrid prefix cache (0: off; "
+                             "default: the engine's)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="GPUs the model is split over (W2 at TP=2 against TP=1)")
     parser.add_argument("--logprobs", type=int, help="every request asks for the top-K "

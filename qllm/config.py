@@ -193,10 +193,11 @@ class EngineConfig:
     block_size: int = 256
     enable_prefix_caching: bool = True
     # Prefix caching of models with recurrent (linear-attention) layers keeps copies of the
-    # recurrent state at block boundaries of computed prefixes, this many at most (each one
-    # sequence's state of every such layer: ~64 MB fp32 at Qwen3.5-35B-A3B geometry; they are
-    # allocated with the recurrent slots). 0: no prefix caching for such models
-    prefix_state_cache_slots: int = 0
+    # recurrent state at the branch points of shared prefixes, this many at most (each one
+    # sequence's state of every such layer: ~64 MB fp32 / ~32 MB bf16 at Qwen3.5-35B-A3B
+    # geometry, taken from the cache budget with the recurrent slots; none without
+    # enable_prefix_caching). 0: no prefix caching for such models
+    prefix_state_cache_slots: int = 32
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
     compile_on_cpu: bool = False

@@ -91,6 +91,29 @@ def test_greedy_tokens_equal_the_cache_off_run(checkpoint, options):
     assert_cache_free(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_requests_finding_a_new_shared_prefix_together_wait_for_one_checkpoint(
+        checkpoint, async_scheduling):
+    """Requests submitted together that find the same shared KV prefix with no checkpoint:
+    the first recomputes it and keeps a checkpoint, the others wait a step (``awaits_prefix``)
+    and restore it, so the prefix is recomputed once, not by each; tokens unchanged."""
+    system, *suffixes = random_prompts([64, 9, 30, 17, 5], seed=12)
+    prompts = [system + s for s in suffixes]
+    params = greedy(4)
+    settings = dict(ENGINE, async_scheduling=async_scheduling)
+    off = LLM(checkpoint, **settings, **OFF)
+    expected = [o for batch in (prompts[:1], prompts[1:])
+                for o in off.generate(batch, params, use_tqdm=False)]
+    llm = LLM(checkpoint, **settings, **CACHED)
+    outputs = [o for batch in (prompts[:1], prompts[1:])
+               for o in llm.generate(batch, params, use_tqdm=False)]
+    assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in expected]
+    assert [o["num_cached_tokens"] for o in outputs] == [0, 0, 64, 64]
+    stats = llm.engine.cache.prefix_cache_stats()
+    assert stats["recomputed_tokens"] == 64 and stats["state_checkpoints_saved"] == 1
+    assert_cache_free(llm)
+
+
 def test_prompts_sharing_nothing_save_nothing(checkpoint):
     """Without shared prefixes (W2's prompts) the cache costs nothing: no checkpoint is
     kept, no step runs in rounds or eagerly."""
@@ -121,10 +144,18 @@ def test_greedy_tokens_equal_the_cache_off_run_on_cuda(checkpoint):
     assert [o["num_cached_tokens"] for o in outputs] == [0, 0, 608, 608]
 
 
-def test_off_by_default_for_hybrid_models(checkpoint):
+def test_on_by_default_for_hybrid_models(checkpoint):
+    """Prefix caching is exact for hybrid models and on unless asked off; off, no
+    checkpoint rows are allocated and nothing is served from the cache."""
     llm = LLM(checkpoint, **ENGINE)
-    assert not llm.engine.cache.prefix_caching
-    out = serve(llm, shared_prefix_prompts(), greedy(3))
+    assert llm.engine.cache.prefix_caching
+    assert llm.engine.cache.prefix_cache_stats()["state_checkpoint_capacity"] > 0
+    cached = [o["num_cached_tokens"] for o in serve(llm, shared_prefix_prompts(), greedy(3))]
+    assert cached[2:5] == [64] * 3, cached
+    off = LLM(checkpoint, **ENGINE, **OFF)
+    assert not off.engine.cache.prefix_caching
+    assert off.engine.cache.pools["recurrent_slot"].checkpoints.num_rows == 0
+    out = serve(off, shared_prefix_prompts(), greedy(3))
     assert all(o["num_cached_tokens"] == 0 for o in out)
 
 

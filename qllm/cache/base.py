@@ -114,6 +114,13 @@ class CachePool(abc.ABC):
         ``cached_tokens`` (>= ``num_tokens``) is the longest prefix some pool had cached: the
         tokens between are a prefix shared with earlier sequences, recomputed."""
 
+    def awaits_prefix(self, seq: Sequence, num_tokens: int, cached_tokens: int) -> bool:
+        """Whether ``seq``, which would start from its first ``num_tokens`` tokens and
+        recompute the cached ones up to ``cached_tokens``, had better wait: another running
+        sequence is about to keep what this pool would need to serve them (a recurrent-state
+        checkpoint). The registry then admits ``seq`` in a later step."""
+        return False
+
     def forget_prefix(self, block_hash: int) -> None:
         """The prefix ending with the block of hash ``block_hash`` is no longer cached."""
 

@@ -99,6 +99,11 @@ class RecurrentSlotPool(CachePool):
         self.checkpoints.num_restored += 1
         self._copy([row], [self.slots[seq.seq_id]])
 
+    def awaits_prefix(self, seq: Sequence, num_tokens: int, cached_tokens: int) -> bool:
+        """Whether another running sequence will save the checkpoint at ``seq``'s branch
+        point (``cached_tokens``) before long (``StateCheckpoints.pending``)."""
+        return self.checkpoints.pending(seq, cached_tokens)
+
     def forget_prefix(self, block_hash: int) -> None:
         self.checkpoints.forget(block_hash)
 

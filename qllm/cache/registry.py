@@ -107,13 +107,27 @@ class CacheRegistry:
 
     def admit(self, seq: Sequence) -> int | None:
         """Give a waiting sequence what every pool needs up front, all or nothing: None when
-        some pool has no room, else how many of its first tokens the prefix cache serves
-        (the scheduler starts the sequence there)."""
+        some pool has no room, or when the sequence waits for a prefix another one is about
+        to make servable (``CachePool.awaits_prefix``); else how many of its first tokens the
+        prefix cache serves (the scheduler starts the sequence there)."""
         for pool in self.pools.values():
             if not pool.admit(seq):
                 self.release(seq)  # pools release what a sequence never took as a no-op
                 return None
-        return self._settle_prefix(seq) if self.prefix_caching else 0
+        if not self.prefix_caching:
+            return 0
+        found, prefix = self._cached_prefix(seq)
+        if prefix < found and any(pool.awaits_prefix(seq, prefix, found)
+                                  for pool in self.pools.values()):
+            self.release(seq)
+            return None
+        for pool in self.pools.values():
+            pool.take_prefix(seq, prefix, found)
+        self.prefix_queries += 1
+        self.prefix_query_tokens += len(seq)
+        self.prefix_hit_tokens += prefix
+        self.prefix_recomputed_tokens += found - prefix
+        return prefix
 
     def set_prefix_caching(self, enabled: bool) -> bool:
         """Turn prefix caching off, or back on where the engine has it; returns whether it
@@ -136,24 +150,17 @@ class CacheRegistry:
             self.set_prefix_caching(enabled)
             self.reset_prefix_cache()
 
-    def _settle_prefix(self, seq: Sequence) -> int:
-        """The longest cached prefix of ``seq`` that every pool can serve (the ``paged_kv``
-        hit, cut back to a recurrent-state checkpoint for hybrid models), each pool set to
-        start ``seq`` there."""
+    def _cached_prefix(self, seq: Sequence) -> tuple[int, int]:
+        """``(found, prefix)``: the longest cached prefix of ``seq`` some pool took at
+        admission (the ``paged_kv`` hit), and the longest every pool can serve (cut back to
+        a recurrent-state checkpoint for hybrid models)."""
         found = max(pool.cached_prefix_len(seq) for pool in self.pools.values())
         prefix = found
         while True:
             shortest = min(pool.longest_prefix(seq, prefix) for pool in self.pools.values())
             if shortest == prefix:
-                break
+                return found, prefix
             prefix = shortest
-        for pool in self.pools.values():
-            pool.take_prefix(seq, prefix, found)
-        self.prefix_queries += 1
-        self.prefix_query_tokens += len(seq)
-        self.prefix_hit_tokens += prefix
-        self.prefix_recomputed_tokens += found - prefix
-        return prefix
 
     def needs_eager(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether a prefill step computing ``seq``'s next ``num_tokens`` tokens must run

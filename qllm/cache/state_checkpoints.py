@@ -9,7 +9,8 @@ blocks there were computed by another sequence, so the prefix is shared, and the
 sequence sharing it restores the state instead of recomputing it. A prompt that shares
 nothing saves nothing (no workload without shared prefixes pays for the cache), and each
 shared prefix is recomputed once more than with a checkpoint at every block, by the sequence
-that first finds it shared. It is keyed by the chain hash of the KV
+that first finds it shared; sequences that find it shared while that one is still on its way
+there wait for its checkpoint rather than recompute the prefix too (``pending``). It is keyed by the chain hash of the KV
 block that ends at ``b`` (``block_manager.chain_hash``, the hash the paged-KV prefix cache
 registers that block under) and checked against that block's tokens, as the block manager
 checks its hits. It is usable only while the KV blocks of its prefix are cached: a hit needs
@@ -37,6 +38,8 @@ class StateCheckpoints:
         self.entries: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()
         self._hashes: dict[int, list[int]] = {}  # seq_id -> chain hashes of its full blocks
         self._wanted: dict[int, int] = {}  # seq_id -> its branch point (``want``)
+        # block hash of a wanted branch point -> the sequence that will save it
+        self._savers: dict[int, Sequence] = {}
         self.num_saved = 0
         self.num_restored = 0
         self.num_evicted = 0  # dropped for room (LRU) or because their KV blocks left
@@ -54,14 +57,25 @@ class StateCheckpoints:
         return chain[num_tokens // bs - 1]
 
     def forget_sequence(self, seq: Sequence) -> None:
+        wanted = self._wanted.pop(seq.seq_id, None)
+        if wanted is not None:
+            key = self.block_hash(seq, wanted)
+            if self._savers.get(key) is seq:
+                del self._savers[key]
         self._hashes.pop(seq.seq_id, None)
-        self._wanted.pop(seq.seq_id, None)
 
     def want(self, seq: Sequence, num_tokens: int) -> None:
         """``seq`` (just admitted) recomputes its first ``num_tokens`` tokens, a prefix the KV
         cache holds (a block boundary past any checkpoint it could restore): keep the state
         after them when it passes there."""
         self._wanted[seq.seq_id] = num_tokens
+        self._savers.setdefault(self.block_hash(seq, num_tokens), seq)
+
+    def pending(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether another sequence, not yet past there, will save the checkpoint after
+        ``seq``'s first ``num_tokens`` tokens (the same prefix: the same block hash)."""
+        saver = self._savers.get(self.block_hash(seq, num_tokens))
+        return saver is not None and saver is not seq and saver.num_computed_tokens < num_tokens
 
     def wanted(self, seq: Sequence) -> int | None:
         """The boundary after which ``seq`` keeps a checkpoint (``want``), or None."""
@@ -93,6 +107,7 @@ class StateCheckpoints:
             self.free_rows.append(row)
             self.num_evicted += 1
         row = self.free_rows.pop()
+        self._savers.pop(key, None)
         self.entries[key] = (row, self._tokens(seq, num_tokens))
         self.num_saved += 1
         return row

@@ -23,12 +23,17 @@ def qllm_cache_kinds():
         CacheKindSpec(
             name="recurrent_slot",
             factory=lambda layers, units, config, device: RecurrentSlotPool(
-                layers, units, device, config.prefix_state_cache_slots, config.block_size),
+                layers, units, device, state_checkpoint_rows(config), config.block_size),
             bytes_per_unit=lambda layers, config: bytes_per_slot(layers),
             fixed_units=lambda config: config.max_num_seqs,
             reserved_bytes=lambda layers, config:
-                bytes_per_slot(layers) * config.prefix_state_cache_slots),
+                bytes_per_slot(layers) * state_checkpoint_rows(config)),
     ]
+
+
+def state_checkpoint_rows(config) -> int:
+    """Recurrent-state checkpoint rows to allocate: none while prefix caching is off."""
+    return config.prefix_state_cache_slots if config.enable_prefix_caching else 0
 
 
 @hookimpl
