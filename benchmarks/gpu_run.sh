@@ -47,10 +47,6 @@
 #   profile-w1-prefill, profile-w2-prefill: profile_step.py;
 #   profile-w3-prefill: W3's 512-token prompt from admission to its first token, through
 #   the prefill graph and then eagerly (profile_step.py --phase prefill);
-#   fused-gdn: the opt-in fused GDN decode (QLLM_GDN_DECODE=fused: conv update + delta rule +
-#   gated RMSNorm in one launch): its CUDA tests, then bench_gdn.py --fused (fused vs the three
-#   kernels, graph replays, us per layer, batch 1 and 200, bf16 then fp32 state) and
-#   --sweep-fused (its launch configs), which decide whether it becomes the default;
 #   ncu-gdn: Nsight Compute counters of the GDN decode kernel at batch 200 (bf16 state in
 #   consecutive slots, as in W2; the sweep's first config, the default 16 x 1 warp);
 #   decode-modes-w1, decode-modes-w2, decode-modes-w3: decode_modes.py, today's decode
@@ -246,17 +242,6 @@ for stage in "$@"; do
                     QLLM_CACHE_DIR="$cache" TORCH_LOGS=cudagraphs \
                     python3 benchmarks/decode_modes.py --workload $workload $shape
             fi ;;
-        fused-gdn) run fused_gdn_tests 200 python3 -m pytest $PYTEST_GPU \
-                       plugins/kernels_gdn/tests/test_fused_decode.py -k "not interpreted"
-                   TAIL=${TAIL:-12} run bench_fused_gdn 120 python3 \
-                       plugins/kernels_gdn/benchmarks/bench_gdn.py --fused --batches 1 200 \
-                       --ssm-dtype bfloat16 --slots consecutive
-                   TAIL=${TAIL:-12} run bench_fused_gdn_fp32 120 python3 \
-                       plugins/kernels_gdn/benchmarks/bench_gdn.py --fused --batches 1 200 \
-                       --slots consecutive
-                   TAIL=${TAIL:-12} run sweep_fused_gdn 120 python3 \
-                       plugins/kernels_gdn/benchmarks/bench_gdn.py --sweep-fused \
-                       --batches 1 200 --ssm-dtype bfloat16 --slots consecutive ;;
         state-dtype) run state_dtype 200 python3 benchmarks/state_dtype_accuracy.py \
                          --device cuda --dtype bfloat16 --real-geometry-layers 4 ;;
         *) echo "unknown stage $stage" ;;

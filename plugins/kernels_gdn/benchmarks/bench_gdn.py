@@ -19,15 +19,7 @@ reference's output. Prints a table, then one JSON object per row.
     python plugins/kernels_gdn/benchmarks/bench_gdn.py \
         [--impl triton torch fla] [--batches 1 16 64 200]
         [--ssm-dtype bfloat16] [--state-layout key-major] [--slots consecutive]
-        [--sweep-decode | --sweep-conv | --fused | --sweep-fused]
-
-``--fused`` times a GDN layer's whole decode step from the conv input to the normed output
-(the opt-in ``gdn_decode_fused`` op, ``QLLM_GDN_DECODE=fused``) both ways at each batch size:
-``fused``, the one-launch kernel, against ``unfused``, the default path's three kernels (conv
-update, recurrence, gated RMSNorm) as the layer calls them, each a CUDA-graph replay of one
-step (so the gaps between the three launches count), L2 flushed; ``us`` per layer, the
-speedup, and the largest difference between the two outputs. ``--sweep-fused`` times the
-fused kernel over its launch configurations (value heads per tile x warps).
+        [--sweep-decode | --sweep-conv]
 
 ``--sweep-decode`` times only the Triton decode kernel over its launch configurations (value
 dims per program x warps) at each batch size, to choose ``_launch_config``'s rule;
@@ -54,8 +46,7 @@ from qllm.ops import gdn as reference
 from qllm.testing.batch import recurrent_slot_batch
 from qllm.testing.benchmarking import graphed, print_table
 from qllm_kernels_gdn import ops
-from qllm_kernels_gdn.testing import (QWEN3_5_35B_A3B, conv_inputs, fused_decode_inputs,
-                                      gdn_inputs, random_batch)
+from qllm_kernels_gdn.testing import QWEN3_5_35B_A3B, conv_inputs, gdn_inputs, random_batch
 
 GEOMETRY = QWEN3_5_35B_A3B
 DTYPE, CONV_DTYPE = torch.bfloat16, torch.bfloat16
@@ -195,73 +186,6 @@ def sweep(kind: str, batch_sizes: list[int]) -> None:
                                   "gbps": round(nbytes / ms / 1e6, 1)}))
 
 
-def unfused_decode_step(x, weight, conv_state, a, b, A_log, dt_bias, ssm_state, z,
-                        norm_weight, eps, batch):
-    """The default path's decode step as the layer runs it: three kernels."""
-    hv, dk, dv = ssm_state.shape[1:]
-    hk = (x.shape[1] - hv * dv) // (2 * dk)
-    mixed = ops.causal_conv1d_update(x, weight, conv_state, batch)
-    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
-    o = ops.gdn_decode(q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)),
-                       v.unflatten(-1, (hv, dv)), a, b, A_log, dt_bias, ssm_state, batch)
-    return ops.rms_norm_gated(o, z, norm_weight, eps)
-
-
-def fused_step_inputs(batch):
-    return fused_decode_inputs(batch, GEOMETRY, NUM_SLOTS, DTYPE, SSM_DTYPE,
-                               contiguous_state=KEY_MAJOR_STATE, conv_state_dtype=CONV_DTYPE)
-
-
-def measure_fused(batch_sizes: list[int]) -> None:
-    """``fused`` vs ``unfused`` decode step per batch size: graph replays, us per layer."""
-    rows = []
-    for batch_size in batch_sizes:
-        batch = decode_batch(batch_size)
-        x = fused_step_inputs(batch)
-        states = (x.conv_state.clone(), x.ssm_state.clone())
-        outs, times = {}, {}
-        for impl, fn in (("unfused", unfused_decode_step), ("fused", ops.gdn_decode_fused)):
-            x.conv_state.copy_(states[0])
-            x.ssm_state.copy_(states[1])
-            call = functools.partial(fn, *x.args())
-            outs[impl] = call().float()
-            times[impl] = 1e3 * do_bench(graphed(call), return_mode="median")
-        err = (outs["fused"] - outs["unfused"]).abs().max().item()
-        for impl in ("unfused", "fused"):
-            rows.append(dict(kind="fused_decode", case=f"decode b{batch_size}", impl=impl,
-                             batch=batch_size, state=str(SSM_DTYPE).replace("torch.", ""),
-                             us=round(times[impl], 2),
-                             speedup=round(times["unfused"] / times[impl], 3),
-                             max_err=round(err, 4)))
-    print_table(rows, [("case", "case", 14, None), ("impl", "impl", 8, None),
-                       ("state", "state", 9, None), ("us", "us", 9, ".2f"),
-                       ("speedup", "speedup", 8, ".3f"), ("max_err", "max_err", 9, ".4f")])
-
-
-def sweep_fused(batch_sizes: list[int]) -> None:
-    """us of the fused kernel at each (value heads per tile, warps), one JSON line each."""
-    from qllm_kernels_gdn.triton_fused_decode import fused_decode, launch_config
-
-    for batch_size in batch_sizes:
-        batch = decode_batch(batch_size)
-        x = fused_step_inputs(batch)
-        cache = batch.caches["recurrent_slot"]
-        rule = launch_config(batch_size, GEOMETRY.num_k_heads,
-                             GEOMETRY.num_v_heads // GEOMETRY.num_k_heads,
-                             GEOMETRY.head_k_dim, GEOMETRY.head_v_dim, SSM_DTYPE)
-        for heads in (1, 2):
-            for num_warps in (4, 8, 16):
-                call = functools.partial(fused_decode, *x.args()[:-1], cache.slots,
-                                         cache.has_initial_state, heads=heads,
-                                         num_warps=num_warps)
-                call()
-                us = 1e3 * do_bench(graphed(call), return_mode="median")
-                print(json.dumps({"sweep": "fused_decode", "batch": batch_size,
-                                  "state_dtype": str(SSM_DTYPE), "heads": heads,
-                                  "num_warps": num_warps, "rule": (heads, num_warps) == rule,
-                                  "us": round(us, 2)}))
-
-
 def main() -> None:
     global SSM_DTYPE, KEY_MAJOR_STATE, CONSECUTIVE_SLOTS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -275,15 +199,10 @@ def main() -> None:
     sweeps = parser.add_mutually_exclusive_group()
     sweeps.add_argument("--sweep-decode", action="store_true")
     sweeps.add_argument("--sweep-conv", action="store_true")
-    sweeps.add_argument("--fused", action="store_true")
-    sweeps.add_argument("--sweep-fused", action="store_true")
     args = parser.parse_args()
     SSM_DTYPE = getattr(torch, args.ssm_dtype)
     KEY_MAJOR_STATE = args.state_layout == "key-major"
     CONSECUTIVE_SLOTS = args.slots == "consecutive"
-    if args.fused or args.sweep_fused:
-        (measure_fused if args.fused else sweep_fused)(args.batches)
-        return
     if args.sweep_decode or args.sweep_conv:
         sweep("gdn_decode" if args.sweep_decode else "conv_update", args.batches)
         return

@@ -125,27 +125,6 @@ def _rms_norm_gated_heads_fake(x, gate, weight, eps):
     return x.new_empty(x.shape)
 
 
-# ----------------------------------------------------------------------------- fused decode
-
-@torch.library.custom_op("qllm_gdn::fused_decode", mutates_args=("conv_state", "ssm_state"))
-def fused_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
-                 a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                 ssm_state: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor,
-                 eps: float, slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
-    """Conv update, gated delta rule and gated RMSNorm of one token per sequence in one
-    launch, ``x [B, C]`` -> ``[B, Hv, dv]``; updates both states' slots in place."""
-    from qllm_kernels_gdn.triton_fused_decode import fused_decode as launch
-
-    return launch(x, weight, conv_state, a, b, A_log, dt_bias, ssm_state, z, norm_weight, eps,
-                  slots, has_state)
-
-
-@fused_decode.register_fake
-def _fused_decode_fake(x, weight, conv_state, a, b, A_log, dt_bias, ssm_state, z, norm_weight,
-                       eps, slots, has_state):
-    return x.new_empty(x.shape[0], *z.shape[1:])
-
-
 # ----------------------------------------------------------------------------- qllm's ops
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
@@ -209,43 +188,3 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     x3, gate3 = (t if t.dim() == 3 else t.reshape(-1, 1, t.shape[-1]) for t in (x, gate))
     x3, gate3 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x3, gate3))
     return rms_norm_gated_heads(x3, gate3, weight, eps).view(x.shape)
-
-
-# ----------------------------------------------------------------------------- gdn_decode_fused
-
-def gdn_decode_fused_reference(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
-                               a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
-                               dt_bias: torch.Tensor, ssm_state: torch.Tensor, z: torch.Tensor,
-                               norm_weight: torch.Tensor, eps: float, batch: ForwardBatch
-                               ) -> torch.Tensor:
-    """The plugin's own op ``gdn_decode_fused`` (registered only with ``QLLM_GDN_DECODE=fused``,
-    see ``plugin.py``), its plain-torch reference: a GDN layer's decode step from the conv
-    input to the normed output, as the three core ops compose it in the layer
-    (``qllm_qwen3_5.deltanet``): ``causal_conv1d_update`` of ``x [B, C]`` (``C = 2 Hk dk + Hv
-    dv``, channels ``[q | k | v]``) with ``weight [C, K]`` on ``conv_state``, ``gdn_decode``
-    of its q, k, v with ``a, b [B, Hv]``, ``A_log, dt_bias [Hv]`` on ``ssm_state [S + 1, Hv,
-    dk, dv]``, then ``rms_norm_gated`` with the gate ``z [B, Hv, dv]``, ``norm_weight [dv]``
-    and ``eps``. Both states' slots are updated in place. Tensor-only (no host sync).
-    Returns ``[B, Hv, dv]`` in ``x``'s dtype."""
-    from qllm.ops import gdn, norm
-
-    num_v_heads, dk, dv = ssm_state.shape[1:]
-    num_k_heads = (x.shape[1] - num_v_heads * dv) // (2 * dk)
-    mixed = gdn.causal_conv1d_update(x, weight, conv_state, batch)  # [B, C]
-    q, k, v = mixed.split([num_k_heads * dk, num_k_heads * dk, num_v_heads * dv], dim=-1)
-    o = gdn.gdn_decode(q.unflatten(-1, (num_k_heads, dk)), k.unflatten(-1, (num_k_heads, dk)),
-                       v.unflatten(-1, (num_v_heads, dv)), a, b, A_log, dt_bias, ssm_state,
-                       batch)
-    return norm.rms_norm_gated(o, z, norm_weight, eps)
-
-
-def gdn_decode_fused(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
-                     a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
-                     dt_bias: torch.Tensor, ssm_state: torch.Tensor, z: torch.Tensor,
-                     norm_weight: torch.Tensor, eps: float, batch: ForwardBatch
-                     ) -> torch.Tensor:
-    """``gdn_decode_fused`` through the fused Triton kernel (``triton_fused_decode``);
-    tensor-only, CUDA-graph capturable."""
-    cache = batch.caches["recurrent_slot"]
-    return fused_decode(x, weight, conv_state, a, b, A_log, dt_bias, ssm_state, z, norm_weight,
-                        eps, cache.slots, cache.has_initial_state)

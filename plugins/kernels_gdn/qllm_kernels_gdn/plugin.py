@@ -6,12 +6,6 @@
 - ``fla`` (priority 20, so it wins over the recurrent prefill): ``gdn_prefill`` through fla's
   chunked kernels, available only where ``fla-core`` is installed (``pip install
   qllm-kernels-gdn[fla]``).
-- Opt-in, ``QLLM_GDN_DECODE=fused`` in the environment (read once, at import): the plugin's own
-  op ``gdn_decode_fused``, a GDN layer's whole decode step from the conv input to the normed
-  output (``ops.gdn_decode_fused_reference``, its ``torch`` kernel, priority 0, on every
-  device; ``triton``, the one-launch kernel of ``triton_fused_decode``, priority 10, on CUDA).
-  The GDN layer (``qllm_qwen3_5.deltanet``) takes that op for its decode steps where it is
-  registered, and the three ops above where it is not (the default: unset, or ``unfused``).
 
 No kernel here uses ``tl.dot`` on its inputs, so every float activation dtype is served.
 """
@@ -19,7 +13,6 @@ No kernel here uses ``tl.dot`` on its inputs, so every float activation dtype is
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
@@ -28,12 +21,6 @@ from qllm.plugins.specs import FLOAT_DTYPES, KernelSpec, triton_on_cuda
 from qllm_kernels_gdn import ops
 
 HAS_FLA = importlib.util.find_spec("fla") is not None
-# QLLM_GDN_DECODE: "fused" registers the gdn_decode_fused op (one launch per GDN layer's decode
-# step); "unfused" or unset does not (conv update, recurrence and norm as three ops).
-GDN_DECODE = os.environ.get("QLLM_GDN_DECODE", "unfused")
-if GDN_DECODE not in ("fused", "unfused"):
-    raise ValueError(f"QLLM_GDN_DECODE={GDN_DECODE!r}: fused or unfused")
-FUSED_DECODE = GDN_DECODE == "fused"
 # The Triton kernels take any float activation dtype.
 triton_available = triton_on_cuda(FLOAT_DTYPES)
 
@@ -49,9 +36,7 @@ def qllm_kernels():
         return KernelSpec(op=op, name="triton", fn=fn, priority=10,
                           is_available=triton_available)
 
-    fused = [KernelSpec(op="gdn_decode_fused", name="torch", fn=ops.gdn_decode_fused_reference),
-             triton("gdn_decode_fused", ops.gdn_decode_fused)] if FUSED_DECODE else []
-    return fused + [
+    return [
         triton("causal_conv1d_prefill", ops.causal_conv1d_prefill),
         triton("causal_conv1d_update", ops.causal_conv1d_update),
         triton("gdn_decode", ops.gdn_decode),

@@ -1,8 +1,7 @@
 """Random Gated DeltaNet inputs for the parity tests and the benchmark, laid out as the model
 layer hands them to the ops (``qllm_qwen3_5.deltanet``): the conv input is a column slice of the
 fused input projection, ``q, k, v`` are views into the conv output, the gate inputs ``a, b`` are
-column slices of the projection's last columns. And the fused decode kernel compiled for sm_90
-without a GPU (``compile_fused_decode``; its registers and spills: ``qllm.testing.sm90``)."""
+column slices of the projection's last columns."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import torch
 
 from qllm.batch import ForwardBatch
 from qllm.testing.batch import recurrent_slot_batch
-from qllm.testing.sm90 import compile_for_sm90
 
 
 @dataclass
@@ -148,53 +146,6 @@ def norm_inputs(tokens: int, heads: int, dim: int, dtype: torch.dtype, device: s
     return x, gate, weight
 
 
-@dataclass
-class FusedDecodeInputs:
-    """The ``gdn_decode_fused`` op's inputs as the layer hands them over: ``x [B, C]``, ``z [B,
-    Hv, dv]``, ``b, a [B, Hv]`` column slices of one projection output ``[q | k | v | z | b |
-    a]``; ``weight [C, K]``, stale-filled ``conv_state`` and ``ssm_state`` in the models'
-    layouts (or contiguous), ``A_log, dt_bias [Hv]`` fp32, ``norm_weight [dv]`` and ``eps``."""
-
-    x: torch.Tensor
-    weight: torch.Tensor
-    conv_state: torch.Tensor
-    a: torch.Tensor
-    b: torch.Tensor
-    A_log: torch.Tensor
-    dt_bias: torch.Tensor
-    ssm_state: torch.Tensor
-    z: torch.Tensor
-    norm_weight: torch.Tensor
-    eps: float
-    batch: ForwardBatch
-
-    def args(self) -> tuple:
-        """Positional arguments of ``gdn_decode_fused``."""
-        return (self.x, self.weight, self.conv_state, self.a, self.b, self.A_log, self.dt_bias,
-                self.ssm_state, self.z, self.norm_weight, self.eps, self.batch)
-
-
-def fused_decode_inputs(batch: ForwardBatch, geometry: GDNGeometry, num_slots: int,
-                        dtype: torch.dtype, state_dtype: torch.dtype, seed: int = 0,
-                        contiguous_state: bool = False,
-                        conv_state_dtype: torch.dtype | None = None) -> FusedDecodeInputs:
-    """``gdn_decode_fused`` inputs for ``batch``'s one-token rows, on its device; the SSM state
-    in ``state_dtype``, the conv state in ``conv_state_dtype`` (default the same)."""
-    conv = conv_inputs(batch, geometry, num_slots, dtype, conv_state_dtype or state_dtype, seed,
-                       contiguous_state)
-    gdn = gdn_inputs(batch, geometry, num_slots, dtype, state_dtype, seed, contiguous_state)
-    hv, dv = geometry.num_v_heads, geometry.head_v_dim
-    gen = torch.Generator(device=conv.x.device).manual_seed(seed + 1)
-    projection = torch.randn(conv.x.shape[0], geometry.conv_dim + hv * dv + 2 * hv,
-                             generator=gen, device=conv.x.device).to(dtype)
-    x, z, b, a = projection.split([geometry.conv_dim, hv * dv, hv, hv], dim=-1)
-    norm_weight = (1 + 0.1 * torch.randn(dv, generator=gen, device=conv.x.device)).to(dtype)
-    return FusedDecodeInputs(x=x, weight=conv.weight, conv_state=conv.conv_state, a=a, b=b,
-                             A_log=gdn.A_log, dt_bias=gdn.dt_bias, ssm_state=gdn.ssm_state,
-                             z=z.unflatten(-1, (hv, dv)), norm_weight=norm_weight, eps=1e-6,
-                             batch=batch)
-
-
 # ----------------------------------------------------------------------------- checks
 
 # Largest error allowed, relative to the reference's largest magnitude, by the coarser of the
@@ -208,11 +159,9 @@ GPU_GEOMETRIES = {
 }
 
 
-def has_state_flags(count: int, has_state: str) -> list[bool] | bool:
+def has_state_flags(count: int, has_state: str) -> list[bool]:
     """``random_batch``'s flags: ``fresh``, no sequence has state yet; ``mixed``, two in three
-    have; ``all``, all."""
-    if has_state == "all":
-        return True
+    have."""
     return [has_state == "mixed" and i % 3 != 1 for i in range(count)]
 
 
@@ -239,38 +188,3 @@ def assert_states(actual: torch.Tensor, expected: torch.Tensor, before: torch.Te
     unused = sorted(set(range(padding)) - set(used))
     assert_close(actual[used], expected[used], tol)
     assert torch.equal(actual[unused], before[unused])
-
-
-# ----------------------------------------------------------------------------- offline sm_90
-
-def compile_fused_decode(geometry: GDNGeometry, num_seqs: int, dtype: torch.dtype,
-                         state_dtype: torch.dtype, heads: int | None = None,
-                         num_warps: int | None = None, contiguous_state: bool = False):
-    """The fused decode kernel for ``num_seqs`` sequences at ``geometry`` compiled for sm_90
-    (meta tensors laid out as the layer's), at ``heads`` per tile and ``num_warps`` or the
-    launch rule's; returns ``(compiled, heads, num_warps)``."""
-    from qllm_kernels_gdn.triton_fused_decode import (_fused_decode_kernel, launch_args,
-                                                      launch_config)
-
-    hk, hv, dk, dv = (geometry.num_k_heads, geometry.num_v_heads, geometry.head_k_dim,
-                      geometry.head_v_dim)
-    slots, channels, width = 256, geometry.conv_dim, geometry.conv_kernel
-
-    def meta(*shape, dtype=dtype):
-        return torch.empty(*shape, dtype=dtype, device="meta")
-
-    projection = meta(num_seqs, channels + hv * dv + 2 * hv)
-    x, z, b, a = projection.split([channels, hv * dv, hv, hv], dim=-1)
-    ssm_state = (meta(slots + 1, hv, dk, dv, dtype=state_dtype) if contiguous_state
-                 else meta(slots + 1, hv, dv, dk, dtype=state_dtype).transpose(-1, -2))
-    args = launch_args(
-        x, meta(channels, 1, width)[:, 0, :],
-        meta(slots + 1, width - 1, channels, dtype=state_dtype).transpose(1, 2), a, b,
-        meta(hv, dtype=torch.float32), meta(hv, dtype=torch.float32), ssm_state,
-        z.unflatten(-1, (hv, dv)), meta(dv), 1e-6, meta(num_seqs, dtype=torch.int64),
-        meta(num_seqs, dtype=torch.bool), meta(num_seqs, hv, dv), 0)
-    default_heads, default_warps = launch_config(num_seqs, hk, hv // hk, dk, dv, state_dtype)
-    heads, num_warps = heads or default_heads, num_warps or default_warps
-    args["HEADS"] = heads
-    return (compile_for_sm90(_fused_decode_kernel, args, dict(num_warps=num_warps)), heads,
-            num_warps)

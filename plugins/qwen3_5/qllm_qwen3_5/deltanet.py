@@ -153,9 +153,6 @@ class GatedDeltaNet(nn.Module):
         self._conv_update = kernels.causal_conv1d_update
         self._gdn_prefill = kernels.gdn_prefill
         self._gdn_decode = kernels.gdn_decode
-        # Opt-in (qllm-kernels-gdn, QLLM_GDN_DECODE=fused): conv, recurrence and norm of a
-        # decode step as one op; None where no plugin registers it (the default).
-        self._fused_decode = getattr(kernels, "gdn_decode_fused", None)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """``A_log`` / ``dt_bias`` ``[Hv]``: this rank's value heads."""
@@ -183,19 +180,13 @@ class GatedDeltaNet(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``hidden [T, H]`` -> ``[T, H]``."""
         qkv, z, b, a = self.in_proj.split(self.in_proj(hidden))
-        z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))  # [T, Hv, dv]
-        if self._fused_decode is not None and not batch.is_prefill:
-            out = self._fused_decode(qkv, self.conv1d.weight[:, 0, :], self.conv_state, a, b,
-                                     self.A_log, self.dt_bias, self.ssm_state, z,
-                                     self.norm.weight, self.norm.eps, batch)
-            return self.out_proj(out.flatten(-2))
         rounds = batch.caches["recurrent_slot"].rounds if batch.is_prefill else None
         if rounds is None:
             out = self._recurrence(qkv, a, b, batch)  # [T, Hv, dv]
         else:  # the step saves state checkpoints inside its chunks (qllm.cache.checkpoint_rounds)
             out = rounds.run(self._recurrence, (qkv, a, b), batch,
                              (self.conv_state, self.ssm_state))
-        out = self.norm(out, z)
+        out = self.norm(out, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
         return self.out_proj(out.flatten(-2))
 
     def _recurrence(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
