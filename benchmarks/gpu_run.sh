@@ -37,8 +37,9 @@
 #   their profiles keep the GDN state in bf16, as vLLM's anchors do (WORKLOADS.md), and
 #   w2-fp32-state runs W2 with the fp32 default; w2-256: W2 at max_num_seqs=256 and
 #   max_model_len=4096 (the outside harness's settings); w2-int8, w2-fp8, w3-int8, w3-fp8:
-#   W2 / W3 with 8-bit weights (qllm-kernels-int8; w2-int8-experts: on the experts alone); w2-prefix-cache: W2 (no shared
-#   prefixes) with the hybrid prefix cache on (64 state checkpoints); prefix-cache:
+#   W2 / W3 with 8-bit weights (qllm-kernels-int8; w2-int8-experts: on the experts alone);
+#   w2-no-prefix-cache: W2 with the hybrid prefix cache off (0 state checkpoints; on by
+#   default, as in w2); prefix-cache:
 #   prefix_cache.py (64 requests sharing a 4,000-token prompt, cache off then on);
 #   prefix-cache-tests: the hybrid prefix cache's CUDA test (cache on vs off, fp32, a
 #   checkpoint saved in a 608-token round through fla);
@@ -163,9 +164,9 @@ for stage in "$@"; do
         w3-int8|w3-fp8) run "${stage/-/_}" 200 python3 benchmarks/throughput.py --workload w3 \
                             --max-num-seqs 1 --max-model-len 1024 --recurrent-state-dtype \
                             bfloat16 --quantization "${stage#w3-}" ;;
-        w2-prefix-cache) run w2_prefix_cache 300 python3 benchmarks/throughput.py --workload w2 \
+        w2-no-prefix-cache) run w2_no_prefix_cache 300 python3 benchmarks/throughput.py --workload w2 \
                              --max-num-seqs 200 --max-model-len 3072 --recurrent-state-dtype \
-                             bfloat16 --prefix-state-cache-slots 64 ;;
+                             bfloat16 --prefix-state-cache-slots 0 ;;
         prefix-cache) run prefix_cache 300 python3 benchmarks/prefix_cache.py ;;
         prefix-cache-tests) run prefix_cache_tests 200 python3 -m pytest $PYTEST_GPU \
                                 tests/test_hybrid_prefix_cache.py -k cuda ;;

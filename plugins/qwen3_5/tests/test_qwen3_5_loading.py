@@ -72,9 +72,11 @@ def test_layouts_load_and_match_transformers(checkpoints, tmp_path, caplog, kind
 
 
 @pytest.mark.parametrize("asked", [True, False], ids=["asked", "not-asked"])
-def test_prefix_caching_is_off_with_one_log_line(checkpoints, caplog, asked):
+def test_prefix_caching_without_state_checkpoints_is_off_with_one_log_line(checkpoints, caplog,
+                                                                            asked):
     caplog.set_level(logging.INFO)
-    llm = LLM(checkpoints["qwen3_5"][0], **ENGINE, enable_prefix_caching=asked)
+    llm = LLM(checkpoints["qwen3_5"][0], **ENGINE, enable_prefix_caching=asked,
+              prefix_state_cache_slots=0)
     lines = [r for r in caplog.records if "prefix caching is off" in r.getMessage()]
     assert len(lines) == (1 if asked else 0)
     assert not llm.engine.cache.prefix_caching
@@ -85,8 +87,9 @@ def test_cache_kinds_follow_layer_types(checkpoints):
     pools = llm.engine.cache.pools
     assert len(pools["recurrent_slot"].layers) == 3 and len(pools["paged_kv"].layers) == 1
     gdn = pools["recurrent_slot"].layers[0]
-    assert gdn.conv_state.shape == (6, 2 * 2 * 16 + 4 * 8, 3)  # [slots + 1, conv_dim, K - 1]
-    assert gdn.ssm_state.shape == (6, 4, 16, 8) and gdn.ssm_state.dtype == torch.float32
+    rows = 5 + 1 + pools["recurrent_slot"].checkpoints.num_rows  # slots, padding, checkpoints
+    assert gdn.conv_state.shape == (rows, 2 * 2 * 16 + 4 * 8, 3)  # [rows, conv_dim, K - 1]
+    assert gdn.ssm_state.shape == (rows, 4, 16, 8) and gdn.ssm_state.dtype == torch.float32
 
 
 # ----------------------------------------------------------------------------- bad input
