@@ -20,6 +20,10 @@
 #   (1 and 4 tokens), JSON lines, then decode_step lines (W3's dense + MoE time per format);
 #   bench-int8-sweep: the 8-bit GEMV's launch-config sweep at one row (best per shape);
 #   bench-int8-sweep-moe: the same for the MoE slot path's two GEMMs at 1 and 4 tokens;
+#   bench-int8-sweep-sorted: the tiles of the int8 MoE's sorted path (the op's from 5 tokens,
+#   today kernels_moe's bf16 table) at W2's 200 tokens and a 16,384-token prefill step: per
+#   GEMM the five fastest and the table's, then the whole op at the best against the table's
+#   tiles and bf16 (3 JSON lines per token count; about 3 minutes of sweeping);
 #   bench-int8-gemm: the dense 8-bit kernels against bf16 at 16, 64, 200 and 512 rows (the two
 #   W8A16 GEMMs, shared-B and swap-AB, side by side); bench-int8-sweep-gemm: the swap-AB
 #   GEMM's launch-config sweep at 200 rows (best per shape, the rule's, the shared-B GEMM's,
@@ -140,6 +144,9 @@ for stage in "$@"; do
         bench-int8-sweep-moe) TAIL=${TAIL:-6} run bench_int8_sweep_moe 420 python3 \
                                   plugins/kernels_int8/benchmarks/bench_int8.py --sweep \
                                   --parts moe --moe-tokens 1 4 ;;
+        bench-int8-sweep-sorted) TAIL=${TAIL:-8} run bench_int8_sweep_sorted 420 python3 \
+                                     plugins/kernels_int8/benchmarks/bench_int8.py --sweep \
+                                     --parts moe --moe-tokens 200 16384 ;;
         bench-int8-gemm) TAIL=${TAIL:-26} run bench_int8_gemm 300 python3 \
                              plugins/kernels_int8/benchmarks/bench_int8.py --rows 16 64 200 512 \
                              --parts dense ;;

@@ -1,7 +1,7 @@
 """Micro-benchmark of the 8-bit decode kernels against bf16, and the sweep of their configs.
 
-At Qwen3.5-35B-A3B shapes; the sweep covers the 8-bit GEMV's launch configs, dense and on the
-MoE's slot path.
+At Qwen3.5-35B-A3B shapes; the sweep covers the 8-bit GEMV's launch configs (dense and on the
+MoE's slot path), the swap-AB W8A16 GEMM's and the tiles of the MoE's sorted path.
 
 Dense (``qllm_kernels_linear.testing``'s projection shapes; by default the three that become
 8-bit: ``out_proj`` / ``o_proj`` ``[2048, 4096]``, the GDN ``in_proj`` ``[12352, 2048]``, the
@@ -28,13 +28,41 @@ how often a W3 decode step runs each shape (30 GDN and 10 attention layers, 40 M
 ``--sweep`` times every candidate of ``gemv_configs.candidates`` per (rows <= 4, shape) and,
 for the MoE slot path, per GEMM (gate-up, down) and token count, and prints one JSON line
 each: the five fastest, the rule's time (``default_config`` / ``slot_moe_config``), the best
-config with the elementwise int8 conversion, bf16's and cuBLAS's. ``--parts`` picks the
-dense shapes, the MoE or both; ``--dry-run`` prints what would run (cases, candidate counts)
-without a GPU.
+config with the elementwise int8 conversion, bf16's and cuBLAS's; at 5-512 rows, every
+candidate of ``gemm_configs.swap_ab_candidates``.
+
+At MoE token counts where the op takes the sorted path (kernels_moe's table entry has
+``BLOCK_M`` > 1: 5 tokens and more), ``--sweep`` times the sorted path's tiles instead
+(``triton_moe.fused_moe_8bit``'s, which come from kernels_moe's table, tuned for the bf16
+kernel): each GEMM alone (gate-up on ``x``, down on its output; ``triton_moe._launch`` on the
+sort at each ``BLOCK_M``) at every candidate of kernels_moe's tuning grid
+(``bench_moe.py``'s ``gemm_candidates`` over one of its ``GRIDS``, the rule's tiles added), one
+JSON line per GEMM (``moe_sorted_gate_up``, ``moe_sorted_down``: the five fastest, the rule's
+time), then one ``moe_sorted`` line: per ``BLOCK_M`` the align plus each GEMM's best, and the
+fastest of those sums timed as the whole op against the rule's config (what the op runs
+today) and bf16 (kernels_moe's ``fused_moe_triton`` at its table entry), each with GB/s, and
+the best's ``max_err``. The grid (``--grid``): ``decode`` where the experts see few tokens
+(routed slots ``T * k <= 32 E``, kernels_moe's ``default_config`` boundary: weight
+streaming, W2's 200 tokens), else ``quick`` (a 16,384-token prefill step). ``BLOCK_M``
+(``--block-m``): the rule's, and the next of ``bench_moe.BLOCK_MS`` where an average routed
+expert holds more slots than a block (there each int8 tile, converted once per block, may pay
+for a taller one); grouped launch orders (``GROUP_M`` 8) only there too (at 200 tokens only
+the shared expert spans several 16-slot blocks, and its 3 MB of int8 weights stay in L2).
+The candidates are the sum over the two GEMMs, not their product: 64 at 200 tokens, 72 at
+16,384, about 83 and 94 s on an H200 at ``SWEEP_COMPILE_S`` + ``SWEEP_TIMING_S`` per
+candidate (a compile each: gate-up and down are separate specializations), under 150 s per
+token count; ``--dry-run`` prints the counts and that estimate (``est_s``).
+(``gemm_candidates`` bounds shared memory with bf16 weight tiles: the int8 ones take half,
+but the converted tile needs a bf16 copy besides.)
+
+``--parts`` picks the dense shapes, the MoE or both; ``--dry-run`` prints what would run
+(cases, candidate counts) without a GPU.
 
     python plugins/kernels_int8/benchmarks/bench_int8.py [--rows 1 200] [--moe-tokens 1 4]
     python plugins/kernels_int8/benchmarks/bench_int8.py --sweep [--rows 1 2 4] [--parts dense]
     python plugins/kernels_int8/benchmarks/bench_int8.py --sweep --rows 200 --parts dense
+    python plugins/kernels_int8/benchmarks/bench_int8.py --sweep --parts moe \
+        --moe-tokens 200 16384 [--grid decode|quick|full] [--block-m 16 32]
     python plugins/kernels_int8/benchmarks/bench_int8.py --dry-run [--sweep]
 """
 
@@ -43,7 +71,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -53,13 +84,17 @@ from qllm.testing.benchmarking import print_table, time_ms
 from qllm_kernels_int8 import gemm_configs, gemv_configs, ops, quant
 from qllm_kernels_linear import ops as linear_ops
 from qllm_kernels_linear.testing import QWEN3_5_35B_A3B_SHAPES, linear_inputs
-from qllm_kernels_moe.configs import get_config
+from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
 from qllm_kernels_moe.testing import moe_inputs
 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 PEAK_GBPS = 4300.0
 SWEEP_REP_MS = 25  # per candidate: hundreds of runs of a few microseconds each
+# The sorted MoE sweep's cost per candidate on an H200, for --dry-run's estimate: a compile,
+# then do_bench's warmup and SWEEP_REP_MS of graph replays
+SWEEP_COMPILE_S, SWEEP_TIMING_S = 1.0, 0.3
+BENCH_MOE = Path(__file__).resolve().parents[2] / "kernels_moe" / "benchmarks" / "bench_moe.py"
 FP8_BLOCK = (128, 128)
 INT8_SHAPES = ("out_proj", "gdn_in_proj", "qkv_proj")  # the projections that become 8-bit
 EXPERTS, TOP_K, HIDDEN, INTER = 256, 8, 2048, 512
@@ -245,18 +280,46 @@ class MoeCase:
         """Bytes of the experts hit: each one's w13 and w2 with their scales."""
         return self.hit * sum(nbytes(w[0], s[0]) for w, s in parts[:2])
 
+    @property
+    def bf16_bytes(self) -> int:
+        """Bytes of the bf16 experts hit."""
+        return self.hit * nbytes(self.inputs.w13[0], self.inputs.w2[0])
+
+    def sorted_gemm(self, gated: bool, a: torch.Tensor, sorts: dict, config):
+        """One GEMM of the int8 sorted path alone (``triton_moe._launch``, as
+        ``fused_moe_8bit`` launches it) at ``config``, a ``SortedGemmConfig``, on the slots
+        sorted at its ``BLOCK_M`` (``sorts``: ``BLOCK_M`` -> ``moe_align_triton``'s): gate-up
+        (``gated``, ``a = x [T, H]``) -> ``hidden [S, I]``, or down (``a = hidden``) -> ``[S,
+        H]``, as a call."""
+        from qllm_kernels_int8.triton_moe import _launch
+
+        weights = self.inputs.topk_weights
+        w13, w2, shared_w13, shared_w2 = self.int8
+        weight, shared, width = (w13, shared_w13, INTER) if gated else (w2, shared_w2, HIDDEN)
+
+        def call() -> torch.Tensor:
+            out = a.new_empty(self.tokens * SLOTS_PER_TOKEN, width)
+            # no activation scales (int8): ``a`` stands in for their pointer; gate-up has no
+            # routing weights: ``out`` stands in
+            return _launch(a, a, *weight, *shared, out, out if gated else weights,
+                           sorts[config.BLOCK_M], config.BLOCK_M, config.tiles,
+                           slots_per_a_row=SLOTS_PER_TOKEN if gated else 1, gated=gated,
+                           block=None)
+
+        return call
+
     def impls(self) -> list[tuple[str, object, int, torch.Tensor]]:
         from qllm_kernels_int8.triton_moe import fused_moe_8bit
         from qllm_kernels_moe.triton_moe import fused_moe_triton
 
-        x, w13, w2, weights, ids, _, _ = self.inputs
+        x, _, _, weights, ids, _, _ = self.inputs
         int8_args, fp8_args = self.args(self.int8), (*self.args(self.fp8), *FP8_BLOCK)
         int8_ref = quant.fused_moe_w8a16(*int8_args)
-        sorted_config = get_config(8, EXPERTS, 2 * INTER, HIDDEN, SLOTS_PER_TOKEN)
+        sorted_config = table_config(8)
         int8_bytes = self.expert_bytes(self.int8)
         return [
-            ("bf16", functools.partial(fused_moe_triton, *self.inputs),
-             self.hit * nbytes(w13[0], w2[0]), torch_fused_moe(*self.inputs)),
+            ("bf16", functools.partial(fused_moe_triton, *self.inputs), self.bf16_bytes,
+             torch_fused_moe(*self.inputs)),
             ("int8_op", functools.partial(ops.fused_moe_w8a16, *int8_args), int8_bytes,
              int8_ref),
             ("int8_sorted", functools.partial(
@@ -300,6 +363,112 @@ def sweep_moe(tokens: int) -> list[dict]:
     return found
 
 
+# ----------------------------------------------------------------------------- MoE, sorted
+
+
+@dataclasses.dataclass(frozen=True)
+class SortedGemmConfig:
+    """One GEMM of the sorted path: the sort's ``BLOCK_M`` (slots per block) and the tiles."""
+
+    BLOCK_M: int
+    tiles: GemmConfig
+
+
+def table_config(tokens: int) -> MoeConfig:
+    """kernels_moe's table entry at ``tokens`` tokens: the sorted path's config where
+    ``BLOCK_M`` > 1 (what the op runs there), else the op takes the slot path."""
+    return get_config(tokens, EXPERTS, 2 * INTER, HIDDEN, SLOTS_PER_TOKEN)
+
+
+@functools.cache
+def bench_moe():
+    """kernels_moe's benchmark (a script, not a package: loaded from its file) for its tuning
+    grids: ``GRIDS``, ``gemm_candidates``, ``BLOCK_MS``."""
+    spec = importlib.util.spec_from_file_location("bench_moe", BENCH_MOE)
+    module = sys.modules["bench_moe"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sorted_space(tokens: int, grid: str | None = None, block_ms: list[int] | None = None
+                 ) -> tuple[str, dict[str, list[SortedGemmConfig]], MoeConfig]:
+    """The sorted sweep at ``tokens`` tokens: its grid's name, each GEMM's candidates
+    (``gate_up``, ``down``: ``bench_moe.gemm_candidates`` per ``BLOCK_M``, the rule's tiles
+    added) and the rule (``table_config``). Defaults in the module docstring."""
+    moe = bench_moe()
+    rule = table_config(tokens)
+    routed_per_expert = tokens * TOP_K / EXPERTS  # slots of an average routed expert
+    grid = grid or ("decode" if tokens * TOP_K <= 32 * EXPERTS else "quick")
+    if block_ms is None:
+        taller = [m for m in moe.BLOCK_MS if m > rule.BLOCK_M][:1]
+        block_ms = [rule.BLOCK_M] + (taller if routed_per_expert > rule.BLOCK_M else [])
+    candidates = {}
+    for name, gated, rule_tiles in (("gate_up", True, rule.up), ("down", False, rule.down)):
+        found = [SortedGemmConfig(m, tiles) for m in block_ms
+                 for tiles in moe.gemm_candidates(m, gated, routed_per_expert > m,
+                                                  moe.GRIDS[grid])]
+        if SortedGemmConfig(rule.BLOCK_M, rule_tiles) not in found:
+            found.append(SortedGemmConfig(rule.BLOCK_M, rule_tiles))
+        candidates[name] = found
+    return grid, candidates, rule
+
+
+def sweep_sorted(tokens: int, grid: str | None = None, block_ms: list[int] | None = None
+                 ) -> list[dict]:
+    """Every candidate of each sorted-path GEMM alone, then the whole op at the best sum
+    (align + gate-up + down) per ``BLOCK_M``, against the rule and bf16."""
+    from qllm_kernels_int8.triton_moe import fused_moe_8bit
+    from qllm_kernels_moe.triton_align import moe_align_triton
+    from qllm_kernels_moe.triton_moe import fused_moe_triton
+
+    case = MoeCase(tokens)
+    grid, candidates, rule = sorted_space(tokens, grid, block_ms)
+    x, _, _, weights, ids, _, _ = case.inputs
+    w13, w2, shared_w13, shared_w2 = case.int8
+    sorts = {config.BLOCK_M: moe_align_triton(ids, EXPERTS + 1, config.BLOCK_M)
+             for found in candidates.values() for config in found}
+    rules = {"gate_up": SortedGemmConfig(rule.BLOCK_M, rule.up),
+             "down": SortedGemmConfig(rule.BLOCK_M, rule.down)}
+    hidden = case.sorted_gemm(True, x, sorts, rules["gate_up"])()  # down's input
+    gemms = {"gate_up": (True, x, INTER, HIDDEN, w13), "down": (False, hidden, HIDDEN, INTER, w2)}
+    found, fastest = [], {}  # fastest: GEMM -> BLOCK_M -> (ms, tiles)
+    for name, (gated, a, n, k, weight) in gemms.items():
+        timed, failed = timed_configs(candidates[name],
+                                      functools.partial(case.sorted_gemm, gated, a, sorts))
+        fastest[name] = {}
+        for ms, config in timed:  # fastest first
+            fastest[name].setdefault(config.BLOCK_M, (ms, config.tiles))
+        num_bytes = case.hit * nbytes(weight[0][0], weight[1][0])  # the experts hit
+        found.append(sweep_report(timed, failed, rules[name], num_bytes,
+                                  shape=f"moe_sorted_{name}", rows=tokens, n=n, k=k, grid=grid))
+    sums = {}  # BLOCK_M -> ms of the align and each GEMM's best
+    for block_m in fastest["gate_up"].keys() & fastest["down"].keys():
+        align_ms = time_ms(functools.partial(moe_align_triton, ids, EXPERTS + 1, block_m),
+                           graph=True, rep=SWEEP_REP_MS)
+        sums[block_m] = align_ms + fastest["gate_up"][block_m][0] + fastest["down"][block_m][0]
+    block_m = min(sums, key=sums.get)
+    best = MoeConfig(block_m, fastest["gate_up"][block_m][1], fastest["down"][block_m][1])
+
+    def int8_op(config: MoeConfig):
+        return functools.partial(fused_moe_8bit, x, w13, w2, weights, ids, shared_w13,
+                                 shared_w2, config=config)
+
+    def timing(ms: float, num_bytes: int, prefix: str = "") -> dict:
+        return {f"{prefix}us": round(1e3 * ms, 2), f"{prefix}gbps": round(gbps(num_bytes, ms), 1)}
+
+    int8_bytes = case.expert_bytes(case.int8)
+    best_ms, rule_ms = (time_ms(int8_op(config), graph=True) for config in (best, rule))
+    bf16_ms = time_ms(functools.partial(fused_moe_triton, *case.inputs), graph=True)
+    ref = quant.fused_moe_w8a16(*case.args(case.int8))
+    found.append(dict(
+        shape="moe_sorted", rows=tokens, grid=grid, best=best.to_json(),
+        **timing(best_ms, int8_bytes), rule=rule.to_json(), **timing(rule_ms, int8_bytes, "rule_"),
+        **timing(bf16_ms, case.bf16_bytes, "bf16_"),
+        sums_us={m: round(1e3 * ms, 2) for m, ms in sorted(sums.items())},
+        max_err=max_err(int8_op(best)(), ref)))
+    return found
+
+
 # ----------------------------------------------------------------------------- report
 
 COLUMNS = [("shape", "shape", 12, None), ("rows", "rows", 5, "d"), ("n", "N", 6, None),
@@ -335,7 +504,16 @@ def plan(args) -> list[dict]:
             cases.append(case)
     for tokens in args.moe_tokens:
         case = dict(shape="moe", rows=tokens, slots=tokens * SLOTS_PER_TOKEN)
-        if args.sweep:
+        if args.sweep and table_config(tokens).BLOCK_M > 1:
+            grid, candidates, rule = sorted_space(tokens, args.grid, args.block_m)
+            counts = [len(found) for found in candidates.values()]
+            case.update(shape="moe_sorted", grid=grid,
+                        block_m=sorted({c.BLOCK_M for found in candidates.values()
+                                        for c in found}),
+                        candidates=counts, est_s=round(sum(counts) * (SWEEP_COMPILE_S
+                                                                      + SWEEP_TIMING_S)),
+                        rule=rule.to_json())
+        elif args.sweep:
             rule = gemv_configs.slot_moe_config(tokens * SLOTS_PER_TOKEN, INTER, HIDDEN)
             case.update(candidates=[len(gemv_configs.candidates(1, INTER, HIDDEN, 2)),
                                     len(gemv_configs.candidates(1, HIDDEN, INTER))],
@@ -355,7 +533,15 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", choices=["dense", "moe"], default=["dense", "moe"])
     parser.add_argument("--sweep", action="store_true",
                         help="time every launch config of the 8-bit GEMV (up to 4 rows), the "
-                             "swap-AB W8A16 GEMM (5-512 rows) and the slot MoE")
+                             "swap-AB W8A16 GEMM (5-512 rows), the slot MoE (1-4 tokens) and "
+                             "the sorted MoE's tiles (5 tokens and more)")
+    parser.add_argument("--grid", help="the sorted MoE sweep's tile grid, one of kernels_moe's "
+                                       "bench_moe.py GRIDS (full, quick, decode); default: "
+                                       "decode for decode batches, quick beyond")
+    parser.add_argument("--block-m", nargs="+", type=int,
+                        help="the sorted MoE sweep's BLOCK_M values (16, 32, 64, 128); "
+                             "default: the table's and, where experts hold more slots, the "
+                             "next")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the cases as JSON lines; needs no GPU")
     args = parser.parse_args()
@@ -366,6 +552,11 @@ def main() -> None:
         args.moe_tokens = []
     if args.sweep and max(args.rows, default=1) > ops.GEMM_MAX_ROWS:
         parser.error(f"--sweep times the W8A16 GEMM up to {ops.GEMM_MAX_ROWS} rows")
+    if args.grid and args.grid not in bench_moe().GRIDS:
+        parser.error(f"--grid {args.grid}: one of {', '.join(bench_moe().GRIDS)}")
+    sorted_block_ms = [m for m in bench_moe().BLOCK_MS if m > 1] if args.block_m else []
+    if set(args.block_m or ()) - set(sorted_block_ms):
+        parser.error(f"--block-m: of {sorted_block_ms}")
     if args.dry_run:
         for case in plan(args):
             print(json.dumps(case))
@@ -375,7 +566,9 @@ def main() -> None:
             for name in args.shapes:
                 print(json.dumps(sweep_dense(name, rows)), flush=True)
         for tokens in args.moe_tokens:
-            for line in sweep_moe(tokens):
+            lines = (sweep_moe(tokens) if table_config(tokens).BLOCK_M == 1
+                     else sweep_sorted(tokens, args.grid, args.block_m))
+            for line in lines:
                 print(json.dumps(line), flush=True)
         return
     rows = [row for count in args.rows for name in args.shapes
