@@ -10,13 +10,14 @@ sequence sharing it restores the state instead of recomputing it. A prompt that 
 nothing saves nothing (no workload without shared prefixes pays for the cache), and each
 shared prefix is recomputed once more than with a checkpoint at every block, by the sequence
 that first finds it shared; sequences that find it shared while that one is still on its way
-there wait for its checkpoint rather than recompute the prefix too (``pending``). It is keyed by the chain hash of the KV
-block that ends at ``b`` (``block_manager.chain_hash``, the hash the paged-KV prefix cache
-registers that block under) and checked against that block's tokens, as the block manager
-checks its hits. It is usable only while the KV blocks of its prefix are cached: a hit needs
-the KV hit to reach ``b``, and the registry drops a checkpoint when its block's hash leaves the
-KV cache (``forget``). This class keeps only the bookkeeping; ``RecurrentSlotPool`` owns the
-tensors and does the copies.
+there wait for its checkpoint rather than recompute the prefix too (``pending``).
+
+A checkpoint is keyed by the chain hash of the KV block that ends at ``b``
+(``block_manager.chain_hash``, the hash the paged-KV prefix cache registers that block under)
+and checked against that block's tokens, as the block manager checks its hits. It is usable
+only while the KV blocks of its prefix are cached: a hit needs the KV hit to reach ``b``, and
+the registry drops a checkpoint when its block's hash leaves the KV cache (``forget``). This
+class keeps only the bookkeeping; ``RecurrentSlotPool`` owns the tensors and does the copies.
 """
 
 from __future__ import annotations
