@@ -107,11 +107,11 @@ class CheckpointRounds:
             if round_.rows is None:
                 out = fn(*inputs, sub_batch)
             else:
-                rows = device["rows"]
-                piece_out = fn(*(x.index_select(0, rows) for x in inputs), sub_batch)
+                rows = device["rows"]  # a slice where consecutive (views, no gather)
+                piece_out = fn(*(x[rows] for x in inputs), sub_batch)
                 if out is None:
                     out = piece_out.new_empty((inputs[0].shape[0], *piece_out.shape[1:]))
-                out.index_copy_(0, rows, piece_out)
+                out[rows] = piece_out
             if round_.save_rows:
                 for state in states:
                     state.index_copy_(0, device["save_rows"],
@@ -119,14 +119,17 @@ class CheckpointRounds:
         return out
 
     def _device_round(self, index: int, device: torch.device) -> dict[str, torch.Tensor]:
-        """Round ``index``'s indices on ``device``, copied over once (in one copy)."""
+        """Round ``index``'s indices on ``device``, copied over once (in one copy); its rows
+        as a slice where they are consecutive (one piece, or pieces side by side)."""
         if index not in self._device:
             round_ = self.rounds[index]
             starts = [0]
             for n in round_.query_lens:
                 starts.append(starts[-1] + n)
             seq_lens = [c + n for c, n in zip(round_.context_lens, round_.query_lens)]
-            parts = {"rows": round_.rows or [], "query_start_loc": starts,
+            rows = round_.rows or []
+            consecutive = rows and rows[-1] - rows[0] == len(rows) - 1  # (rows ascend)
+            parts = {"rows": [] if consecutive else rows, "query_start_loc": starts,
                      "seq_lens": seq_lens, "context_lens": round_.context_lens,
                      "slots": round_.slots, "has_state": round_.has_state,
                      "save_slots": round_.save_slots, "save_rows": round_.save_rows}
@@ -140,5 +143,7 @@ class CheckpointRounds:
             for name in ("query_start_loc", "seq_lens", "context_lens"):
                 views[name] = views[name].to(torch.int32)
             views["has_state"] = views["has_state"].bool()
+            if consecutive:
+                views["rows"] = slice(rows[0], rows[-1] + 1)
             self._device[index] = views
         return self._device[index]
