@@ -45,6 +45,8 @@
 #   w2-no-prefix-cache: W2 with the hybrid prefix cache off (0 state checkpoints; on by
 #   default, as in w2); prefix-cache:
 #   prefix_cache.py (64 requests sharing a 4,000-token prompt, cache off then on);
+#   prefix-cache-branch: the cache-on half with two system prompts, one pass each (is the
+#   first branch step's cost one-time?);
 #   prefix-cache-tests: the hybrid prefix cache's CUDA test (cache on vs off, fp32, a
 #   checkpoint saved in a 608-token round through fla);
 #   int8-tests: that plugin's kernel, accuracy and weight-format tests; config-tests: the Qwen3.5 config variants (a shared
@@ -175,6 +177,8 @@ for stage in "$@"; do
                              --max-num-seqs 200 --max-model-len 3072 --recurrent-state-dtype \
                              bfloat16 --prefix-state-cache-slots 0 ;;
         prefix-cache) run prefix_cache 300 python3 benchmarks/prefix_cache.py ;;
+        prefix-cache-branch) run prefix_cache_branch 200 python3 benchmarks/prefix_cache.py \
+                                 --modes on --passes 1 --system-prompts 2 ;;
         prefix-cache-tests) run prefix_cache_tests 200 python3 -m pytest $PYTEST_GPU \
                                 tests/test_hybrid_prefix_cache.py -k cuda ;;
         w2-peer) run w2_peer 200 python3 benchmarks/throughput.py --workload w2 \

@@ -16,7 +16,8 @@ step cannot hit each other). The timed requests run ``--passes`` times (2), each
 suffixes of its own: in the first, with the cache on, the first requests find the system
 prompt's KV blocks but no state checkpoint (one request served it, nothing shared it yet), so
 they recompute it and keep one at that branch point; later passes find it, as a server does
-once it has seen the system prompt shared. Prints one JSON line per mode, with one entry per
+once it has seen the system prompt shared. ``--system-prompts 2`` then does the same with a
+second system prompt: what its first pass no longer pays was a one-time cost (a compile). Prints one JSON line per mode, with one entry per
 pass: mean / p50 / p90 time to first token (from submission, all requests submitted at
 once), output throughput, wall seconds, the prefill steps (``StepTimeline``: tokens and
 seconds of each, which shows a compile or a recomputation), the prefix-cache counters
@@ -56,15 +57,17 @@ def run(model_dir: str, cached: bool, args) -> dict:
     engine = llm.engine
     vocab = engine.vocab_size
     rng = random.Random(0)
-    system = [rng.randrange(2, vocab) for _ in range(args.system_tokens)]
-    if not args.cold:  # the system prompt seen once before (in both modes)
-        suffix = [rng.randrange(2, vocab) for _ in range(args.suffix_tokens)]
-        llm.generate([system + suffix], SamplingParams(max_tokens=1), use_tqdm=False)
     passes = []
-    for _ in range(args.passes):
-        suffixes = [[rng.randrange(2, vocab) for _ in range(args.suffix_tokens)]
-                    for _ in range(args.num_requests)]
-        passes.append(timed_pass(engine, [system + suffix for suffix in suffixes], args))
+    for prompt_index in range(args.system_prompts):
+        system = [rng.randrange(2, vocab) for _ in range(args.system_tokens)]
+        if not args.cold:  # the system prompt seen once before (in both modes)
+            suffix = [rng.randrange(2, vocab) for _ in range(args.suffix_tokens)]
+            llm.generate([system + suffix], SamplingParams(max_tokens=1), use_tqdm=False)
+        for _ in range(args.passes):
+            suffixes = [[rng.randrange(2, vocab) for _ in range(args.suffix_tokens)]
+                        for _ in range(args.num_requests)]
+            passes.append({"system_prompt": prompt_index, **timed_pass(
+                engine, [system + suffix for suffix in suffixes], args)})
     return {
         "bench": "prefix_cache", "prefix_cache": cached, "cold": args.cold,
         "num_requests": args.num_requests, "system_tokens": args.system_tokens,
@@ -126,6 +129,10 @@ def main() -> None:
                              "engine's)")
     parser.add_argument("--passes", type=int, default=2,
                         help="timed passes of --num-requests requests each")
+    parser.add_argument("--system-prompts", type=int, default=1,
+                        help="system prompts served in turn, each primed and then timed in "
+                             "--passes passes (a second one shows which of the first's costs "
+                             "are one-time)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
