@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,8 @@ from qllm.batch import Sequence
 from qllm.cache.base import CachePool, StepFields
 from qllm.cache.checkpoint_rounds import CheckpointRounds
 from qllm.cache.state_checkpoints import StateCheckpoints
+
+logger = logging.getLogger(__name__)
 
 
 def bytes_per_slot(layers: list) -> int:
@@ -66,6 +69,11 @@ class RecurrentSlotPool(CachePool):
             self.storage += tensors.values()
             layer.attach_cache(tensors)
         self.supports_prefix_caching = num_checkpoints > 0
+        if num_checkpoints:
+            row_bytes = sum(t[0].nbytes for t in self.storage)
+            logger.info("prefix cache: %d recurrent-state checkpoints (prefix_state_cache_slots)"
+                        " of %.2f MiB each, %.1f MiB", num_checkpoints, row_bytes / 2**20,
+                        num_checkpoints * row_bytes / 2**20)
         self.checkpoints = StateCheckpoints(num_units + 1, num_checkpoints, block_size)
         self.prefix_caching = False
 
