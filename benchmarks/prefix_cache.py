@@ -72,7 +72,8 @@ def run(model_dir: str, cached: bool, args) -> dict:
         "bench": "prefix_cache", "prefix_cache": cached, "cold": args.cold,
         "num_requests": args.num_requests, "system_tokens": args.system_tokens,
         "suffix_tokens": args.suffix_tokens, "output_tokens": args.output_tokens,
-        "num_layers": args.num_layers, "state_slots": args.state_slots if cached else 0,
+        "num_layers": args.num_layers,
+        "state_slots": engine.cache.prefix_cache_stats().get("state_checkpoint_capacity", 0),
         "passes": passes, "commit": commit(),
     }
 

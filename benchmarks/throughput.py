@@ -99,7 +99,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def _timed(llm, prompts, sampling) -> tuple[list[dict], float]:
-    """``llm.generate`` outputs and wall seconds, GPU work included."""
+    """``llm.generate`` outputs and wall seconds, GPU work included, from an empty prefix
+    cache (the latency workload serves its prompt more than once: none may hit the last)."""
+    llm.engine.cache.reset_prefix_cache()
     torch.cuda.synchronize()
     start = time.perf_counter()
     outputs = llm.generate(prompts, sampling, use_tqdm=False)

@@ -196,8 +196,10 @@ class EngineConfig:
     # recurrent state at the branch points of shared prefixes, this many at most (each one
     # sequence's state of every such layer: ~64 MB fp32 / ~32 MB bf16 at Qwen3.5-35B-A3B
     # geometry, taken from the cache budget with the recurrent slots; none without
-    # enable_prefix_caching). 0: no prefix caching for such models
-    prefix_state_cache_slots: int = 32
+    # enable_prefix_caching). None: as many as 1 GiB holds, at most 32
+    # (qllm.cache.recurrent_slots.default_state_checkpoints). 0: no prefix caching for such
+    # models
+    prefix_state_cache_slots: int | None = None
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
     compile_on_cpu: bool = False
@@ -240,7 +242,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.prefix_state_cache_slots < 0:
+        if self.prefix_state_cache_slots is not None and self.prefix_state_cache_slots < 0:
             raise ValueError(f"prefix_state_cache_slots must be >= 0, "
                              f"got {self.prefix_state_cache_slots!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

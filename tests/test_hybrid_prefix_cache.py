@@ -152,6 +152,11 @@ def test_on_by_default_for_hybrid_models(checkpoint):
     assert llm.engine.cache.prefix_cache_stats()["state_checkpoint_capacity"] > 0
     cached = [o["num_cached_tokens"] for o in serve(llm, shared_prefix_prompts(), greedy(3))]
     assert cached[2:5] == [64] * 3, cached
+    # unset, the checkpoints take at most 1 GiB: 16 fp32 states of Qwen3.5-35B-A3B (61 MiB
+    # each), 32 in bf16, never fewer than one
+    from qllm.cache.recurrent_slots import default_state_checkpoints
+    assert [default_state_checkpoints(n << 20) for n in (61, 31, 2048)] == [16, 32, 1]
+    assert llm.engine.cache.prefix_cache_stats()["state_checkpoint_capacity"] == 32  # tiny
     off = LLM(checkpoint, **ENGINE, **OFF)
     assert not off.engine.cache.prefix_caching
     assert off.engine.cache.pools["recurrent_slot"].checkpoints.num_rows == 0

@@ -15,9 +15,20 @@ from qllm.cache.state_checkpoints import StateCheckpoints
 logger = logging.getLogger(__name__)
 
 
+DEFAULT_CHECKPOINT_BYTES = 1 << 30  # what the default prefix-state checkpoints may take
+DEFAULT_CHECKPOINTS = 32  # and how many at most
+
+
 def bytes_per_slot(layers: list) -> int:
     """Memory of one sequence's state across every recurrent layer."""
     return sum(r.bytes_per_entry() for r in CachePool.requirements(layers))
+
+
+def default_state_checkpoints(checkpoint_bytes: int) -> int:
+    """Prefix-state checkpoints kept by default when each takes ``checkpoint_bytes``: as many
+    as 1 GiB holds, at most 32, at least one (16 fp32 states of Qwen3.5-35B-A3B, 32 bf16;
+    ``EngineConfig.prefix_state_cache_slots`` unset)."""
+    return max(1, min(DEFAULT_CHECKPOINTS, DEFAULT_CHECKPOINT_BYTES // max(checkpoint_bytes, 1)))
 
 
 @dataclass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from qllm.cache.paged_kv import PagedKVPool, bytes_per_block
-from qllm.cache.recurrent_slots import RecurrentSlotPool, bytes_per_slot
+from qllm.cache.recurrent_slots import RecurrentSlotPool, bytes_per_slot, default_state_checkpoints
 from qllm.ops.contracts import CORE_OPS
 from qllm.plugins.hookspecs import hookimpl
 from qllm.plugins.specs import CacheKindSpec, KernelSpec, LayerKindSpec
@@ -23,17 +23,23 @@ def qllm_cache_kinds():
         CacheKindSpec(
             name="recurrent_slot",
             factory=lambda layers, units, config, device: RecurrentSlotPool(
-                layers, units, device, state_checkpoint_rows(config), config.block_size),
+                layers, units, device, state_checkpoint_rows(layers, config),
+                config.block_size),
             bytes_per_unit=lambda layers, config: bytes_per_slot(layers),
             fixed_units=lambda config: config.max_num_seqs,
             reserved_bytes=lambda layers, config:
-                bytes_per_slot(layers) * state_checkpoint_rows(config)),
+                bytes_per_slot(layers) * state_checkpoint_rows(layers, config)),
     ]
 
 
-def state_checkpoint_rows(config) -> int:
-    """Recurrent-state checkpoint rows to allocate: none while prefix caching is off."""
-    return config.prefix_state_cache_slots if config.enable_prefix_caching else 0
+def state_checkpoint_rows(layers: list, config) -> int:
+    """Recurrent-state checkpoint rows to allocate for ``layers``: ``prefix_state_cache_slots``
+    (unset: ``default_state_checkpoints``), none while prefix caching is off."""
+    if not config.enable_prefix_caching:
+        return 0
+    if config.prefix_state_cache_slots is not None:
+        return config.prefix_state_cache_slots
+    return default_state_checkpoints(bytes_per_slot(layers))
 
 
 @hookimpl
