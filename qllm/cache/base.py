@@ -95,7 +95,8 @@ class CachePool(abc.ABC):
     # sequence's cached prefix (``admit``; ``paged_kv`` takes its cached blocks and reports
     # their tokens, ``cached_prefix_len``), then the registry asks every pool how much of the
     # longest of those it can serve (``longest_prefix``) and settles on the shortest answer
-    # (``take_prefix``); the scheduler starts the sequence there.
+    # (``take_prefix``), unless a pool would rather the sequence wait for another one to
+    # make more of it servable (``awaits_prefix``); the scheduler starts the sequence there.
     on_forget_prefix = None  # set by the registry: call with a block hash no pool may keep
 
     def cached_prefix_len(self, seq: Sequence) -> int:
