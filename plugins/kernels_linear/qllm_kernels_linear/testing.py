@@ -1,5 +1,7 @@
-"""The projection shapes the GEMV is for, and random inputs of the GEMV and of the residual add +
-RMSNorm for the parity tests and the benchmarks."""
+"""The projection shapes the GEMV is for, random inputs of the GEMV and of the residual add +
+RMSNorm for the parity tests and the benchmarks, a chain of GEMVs like one decode step's (the
+programmatic-dependent-launch test and benchmark), and the GEMV compiled for sm_90 without a
+GPU, as launched (its SASS tests)."""
 
 from __future__ import annotations
 
@@ -34,7 +36,72 @@ def linear_inputs(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
 
-    return LinearInputs(randn(m, k), randn(n, k, scale=k ** -0.5), randn(n) if bias else None)
+    inputs = LinearInputs(randn(m, k), randn(n, k, scale=k ** -0.5), randn(n) if bias else None)
+    if torch.device(device).type == "cuda":
+        # a GEMV launched with PDL (``QLLM_PDL=1``) reads its weight before waiting for the
+        # previous kernel, which may be the one that wrote it here
+        torch.cuda.synchronize(device)
+    return inputs
+
+
+class ChainLayer(NamedTuple):
+    """One layer's projections in ``gemv_chain``: ``in_proj [N, 2048]`` (the GDN ``in_proj``
+    or the attention ``qkv_proj``), ``out_proj [2048, 4096]`` (``out_proj`` / ``o_proj``) and
+    the MoE ``input_proj [264, 2048]``."""
+
+    in_proj: torch.Tensor
+    out_proj: torch.Tensor
+    input_proj: torch.Tensor
+
+
+def chain_layers(layers: int, device: str | torch.device = "cuda",
+                 dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> list[ChainLayer]:
+    """Weights of ``layers`` decode layers of Qwen3.5-35B-A3B, each its own (a step reads
+    every weight once, from HBM): three GDN layers, then one attention layer, over again."""
+    shapes = QWEN3_5_35B_A3B_SHAPES
+    found = []
+    for layer in range(layers):
+        in_proj = shapes["qkv_proj" if layer % 4 == 3 else "gdn_in_proj"]
+        found.append(ChainLayer(*(linear_inputs(1, *shape, dtype, device, seed=seed + layer).weight
+                                  for shape in (in_proj, shapes["out_proj"],
+                                                shapes["moe_input"]))))
+    return found
+
+
+def gemv_chain(hidden: torch.Tensor, layers: list[ChainLayer], linear) -> torch.Tensor:
+    """``hidden [1, 2048]`` through ``layers``, each ``linear(x, weight, None)`` (the op, or the
+    GEMV) fed by the previous one's output through elementwise ops and RMS norms, as in a
+    decode step: the norm, ``in_proj``, SiLU of its first 4,096 outputs (the mixer),
+    ``out_proj``, the residual add, the norm, the MoE ``input_proj``, its first output gating
+    the normed state into the residual (the MoE); returns the last hidden state
+    ``[1, 2048]``."""
+    rms_norm = torch.nn.functional.rms_norm
+    width = hidden.shape[-1:]
+    for layer in layers:
+        mixed = torch.nn.functional.silu(linear(rms_norm(hidden, width), layer.in_proj,
+                                                None)[:, :4096])             # [1, 4096]
+        hidden = hidden + linear(mixed, layer.out_proj, None)                 # [1, 2048]
+        normed = rms_norm(hidden, width)
+        router = linear(normed, layer.input_proj, None)                       # [1, 264]
+        hidden = hidden + normed * torch.sigmoid(router[:, :1])
+    return hidden
+
+
+def compile_gemv(m: int, n: int, k: int, pdl: bool, bias: bool = False,
+                 dtype: torch.dtype = torch.bfloat16):
+    """The GEMV's kernel for ``x [m, k]`` through ``weight [n, k]`` (contiguous, as in the
+    models) at the rule's config, with or without PDL, compiled for sm_90 as ``gemv`` launches
+    it (``triton_gemv.gemv_launch``) by ``qllm.testing.sm90.compile_for_sm90``."""
+    from qllm.testing.sm90 import compile_for_sm90
+    from qllm_kernels_linear.configs import default_config
+    from qllm_kernels_linear.triton_gemv import _gemv_kernel, gemv_launch
+
+    def meta(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    _, args, options = gemv_launch(meta(m, k), meta(n, k), meta(n) if bias else None,
+                                   meta(m, n), default_config(m, n, k), pdl)
+    return compile_for_sm90(_gemv_kernel, args, options)
 
 
 def norm_inputs(rows: int, dim: int, dtype: torch.dtype, device: str | torch.device,
@@ -53,3 +120,46 @@ def norm_inputs(rows: int, dim: int, dtype: torch.dtype, device: str | torch.dev
     weight = (torch.randn(dim, generator=gen, device=device) * 0.1
               + (0.0 if zero_centered else 1.0)).to(dtype)
     return x, residual, weight
+
+
+# SASS opcodes (before the first ``.``) that reach global memory, and that branch or end a thread
+GLOBAL_LOADS = {"LDG", "LD", "LDGSTS", "UTMALDG", "UBLKCP"}
+GLOBAL_STORES = {"STG", "ST", "RED", "REDG", "ATOM", "ATOMG", "UTMASTG", "UTMAREDG", "UBLKRED"}
+CONTROL = {"BRA", "BRX", "JMP", "JMX", "CALL", "RET", "EXIT", "BSSY", "BREAK", "KILL"}
+WAIT, LAUNCH_DEPENDENTS = "ACQBULK", "PREEXIT"  # griddepcontrol.wait, .launch_dependents
+
+
+def gdc_summary(compiled) -> dict:
+    """Where the GEMV's grid-dependency-control instructions lie in its SASS (a kernel compiled
+    by ``compile_gemv``): how many ``griddepcontrol.wait`` (``ACQBULK``) and
+    ``.launch_dependents`` (``PREEXIT``) it holds; whether the first wait is unpredicated, and
+    whether the launch of dependents comes before it; and, before that wait, the weight loads
+    (``LDG`` with the weight's ``evict_first`` hint, ``.EF``), any other global load (``x``
+    carries ``evict_last``, ``.EL``; the bias none), global store or atomic, and any branch or
+    exit (with none, every thread of every program runs the wait); after it, the loads of
+    ``x``; and the bytes it spills."""
+    from qllm.testing.sm90 import SASS_INSTRUCTION, cuobjdump, resource_usage
+
+    found = [(predicate.strip(), opcode) for _, predicate, opcode, _ in
+             SASS_INSTRUCTION.findall(cuobjdump(compiled.asm["cubin"], "-sass"))]
+    opcodes = [opcode for _, opcode in found]
+    waits = [i for i, opcode in enumerate(opcodes) if opcode == WAIT]
+    launches = [i for i, opcode in enumerate(opcodes) if opcode == LAUNCH_DEPENDENTS]
+    first = waits[0] if waits else len(found)
+    before, after = opcodes[:first], opcodes[first + 1:]
+
+    def base(opcode: str) -> str:
+        return opcode.split(".")[0]
+
+    weight_loads = [op for op in before if base(op) == "LDG" and "EF" in op.split(".")]
+    return dict(
+        spill_bytes=resource_usage(compiled)["spill_bytes"],
+        waits=len(waits), launch_dependents=len(launches),
+        wait_unpredicated=bool(waits) and not found[first][0],
+        launch_dependents_first=bool(launches) and launches[0] < first,
+        weight_loads_before_wait=len(weight_loads),
+        other_loads_before_wait=[op for op in before
+                                 if base(op) in GLOBAL_LOADS and op not in weight_loads],
+        stores_before_wait=[op for op in before if base(op) in GLOBAL_STORES],
+        control_before_wait=[op for op in before if base(op) in CONTROL],
+        x_loads_after_wait=sum(base(op) == "LDG" and "EL" in op.split(".") for op in after))

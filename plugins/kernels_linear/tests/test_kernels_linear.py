@@ -7,16 +7,23 @@ rows, ``opcheck``).
 - CUDA (skipped without a GPU): bf16 and fp16 parity at the Qwen3.5-35B-A3B projection shapes
   for 1 to 5 and 16 rows (5 and 16 take ``F.linear``), with and without bias; strided and
   batched ``x``; forced configs at the corners of the sweep's grid; CUDA-graph replay;
-  ``torch.compile(fullgraph=True, mode="reduce-overhead")`` against eager; ``opcheck``.
+  ``torch.compile(fullgraph=True, mode="reduce-overhead")`` against eager; ``opcheck``; with
+  programmatic dependent launch (``QLLM_PDL``, the ``pdl`` tests), the same bits as without it
+  at those shapes, and through a CUDA graph of a decode-like GEMV chain replayed many times.
 - CPU: which calls take the GEMV, the launch-config rule and the sweep's candidates, the
   launcher's input checks, the custom op's fake path under ``torch.compile(fullgraph=True)``,
-  the plugin's registration, and, under the Triton interpreter, parity at tiny shapes (every
-  row count, partial row and column tiles, several K steps) and ``opcheck``. The interpreter
-  must be switched on before Triton is imported, so ``test_triton_interpreter`` reruns this
-  file's ``interpreted`` tests in a subprocess with ``TRITON_INTERPRET=1``.
+  the plugin's registration, the PDL switch and launch, the GEMV's SASS compiled for sm_90
+  with PDL (the grid-dependency-control instructions, and nothing read from ``x`` nor stored
+  before the wait) and without (none of them), and, under the Triton interpreter, parity at
+  tiny shapes (every row count, partial row and column tiles, several K steps; with the PDL
+  switch on too) and ``opcheck``. The interpreter must be switched on before Triton is
+  imported, so ``test_triton_interpreter`` reruns this file's ``interpreted`` tests in a
+  subprocess with ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -25,8 +32,9 @@ import torch.nn.functional as F
 pytest.importorskip("qllm_kernels_linear")
 
 # after the skip above, so the suite runs where the plugin is not installed
-from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
-                                  interpreted, interpreter_driver, run_interpreted_tests)
+from qllm.testing.kernels import (HAS_TRITON, INTERPRETING, called_ops, cuda,  # noqa: E402
+                                  graphs_traced_by, interpreted, interpreter_driver,
+                                  run_interpreted_tests)
 from qllm.ops import norm  # noqa: E402
 from qllm.plugins.registry import PluginRegistry  # noqa: E402
 from qllm_kernels_linear import ops, plugin  # noqa: E402
@@ -34,7 +42,7 @@ from qllm_kernels_linear.configs import (ACC_REGISTERS, MAX_GEMV_ROWS,  # noqa: 
                                          MIN_PROGRAMS, WARP_COLUMNS, GemvConfig, block_m,
                                          candidates, default_config, serves)
 from qllm_kernels_linear.testing import (QWEN3_5_35B_A3B_SHAPES, LinearInputs,  # noqa: E402
-                                         linear_inputs, norm_inputs)
+                                         chain_layers, gemv_chain, linear_inputs, norm_inputs)
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -195,6 +203,96 @@ def test_opcheck_cuda():
     opcheck_op("cuda", torch.bfloat16)
 
 
+def _pdl_on(monkeypatch):
+    """Switch PDL on as ``QLLM_PDL=1`` would (skips where the GPU cannot launch with it)."""
+    from qllm_kernels_linear import triton_gemv
+
+    if not triton_gemv.pdl_available(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    monkeypatch.setattr(triton_gemv, "PDL", True)
+    return triton_gemv
+
+
+@cuda
+@pytest.mark.parametrize("case", [(1, False), (1, True), (2, True), (4, False)],
+                         ids=["m1", "m1-bias", "m2-bias", "m4"])
+@shapes
+def test_pdl_parity(shape, case, monkeypatch):
+    """With ``QLLM_PDL`` on, the op gives the bits of the launch without PDL: at one row (the
+    five projections of a W3 decode step: ``out_proj`` is ``o_proj``'s shape too) and at the
+    other row counts the GEMV serves, twice in a row (the second launch overlaps the first)."""
+    triton_gemv = _pdl_on(monkeypatch)
+    rows, bias = case
+    if not serves(rows, *shape):
+        pytest.skip("F.linear serves it")
+    inputs = linear_inputs(rows, *shape, device="cuda", bias=bias)
+    reference = triton_gemv.gemv(*inputs, pdl=False)
+    first, second = ops.linear(*inputs), ops.linear(*inputs)
+    assert torch.equal(first, reference) and torch.equal(second, reference)
+
+
+def _graphed(step):
+    """``step()`` captured in a CUDA graph (after one warm-up call): its replay and output."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph.replay, out
+
+
+def _replays_match(replay, out, static_input, inputs, references, replays=200):
+    """Each of ``replays`` replays, on one of ``inputs`` copied into ``static_input`` (the same
+    several replays in a row, too), gives the bits of its reference."""
+    for index in range(replays):
+        which = (index // 7) % len(inputs)
+        static_input.copy_(inputs[which])
+        replay()
+        assert torch.equal(out, references[which]), f"replay {index}, input {which}"
+
+
+@cuda
+def test_pdl_chain_in_cuda_graph(monkeypatch):
+    """A chain of GEMVs as in a decode step (``testing.gemv_chain``, 8 layers: each GEMV fed
+    by the one before through elementwise ops; GDN and attention layers) with ``QLLM_PDL``
+    on: eagerly, and captured in a CUDA graph replayed 200 times over four inputs, it gives
+    the bits of the eager chain without PDL."""
+    triton_gemv = _pdl_on(monkeypatch)
+    layers = chain_layers(8)
+    inputs = [linear_inputs(1, 1, 2048, device="cuda", seed=seed).x for seed in range(4)]
+    off = [gemv_chain(x, layers, functools.partial(triton_gemv.gemv, pdl=False))
+           for x in inputs]
+    for x, reference in zip(inputs, off):
+        assert torch.equal(gemv_chain(x, layers, ops.linear), reference)  # eager, PDL
+    static_input = inputs[0].clone()
+    replay, out = _graphed(lambda: gemv_chain(static_input, layers, ops.linear))
+    _replays_match(replay, out, static_input, inputs, off)
+
+
+def _copied_in(x, layer, linear):
+    """``in_proj`` then ``out_proj`` of ``layer`` (``testing.ChainLayer``), each GEMV's input
+    copied into place right before it (a device-to-device memcpy, no kernel)."""
+    hidden = torch.empty_like(x)
+    hidden.copy_(x)
+    mixed = linear(hidden, layer.in_proj, None)
+    part = x.new_empty(1, 4096)
+    part.copy_(mixed[:, :4096])
+    return linear(part, layer.out_proj, None)
+
+
+@cuda
+def test_pdl_after_memcpy_in_cuda_graph(monkeypatch):
+    """GEMVs whose graph predecessor is a memcpy node (no kernel) with ``QLLM_PDL`` on, replayed
+    over two inputs: the bits without PDL."""
+    triton_gemv = _pdl_on(monkeypatch)
+    (layer,) = chain_layers(1)
+    inputs = [linear_inputs(1, 1, 2048, device="cuda", seed=seed).x for seed in range(2)]
+    off = [_copied_in(x, layer, functools.partial(triton_gemv.gemv, pdl=False)) for x in inputs]
+    static_input = inputs[0].clone()
+    replay, out = _graphed(lambda: _copied_in(static_input, layer, ops.linear))
+    _replays_match(replay, out, static_input, inputs, off, replays=20)
+
+
 # ----------------------------------------------------------------------------- CPU
 
 def test_which_calls_take_the_gemv():
@@ -294,6 +392,87 @@ def test_plugin_registration():
         == "torch"
 
 
+def test_pdl_switch():
+    """``QLLM_PDL``: ``1`` on; unset, empty or ``0`` off; anything else refused."""
+    pytest.importorskip("triton")
+    from qllm_kernels_linear.triton_gemv import pdl_switch
+
+    assert pdl_switch("1") and not any(pdl_switch(value) for value in (None, "", "0"))
+    for value in ("true", "2", "on"):
+        with pytest.raises(ValueError, match="QLLM_PDL"):
+            pdl_switch(value)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_pdl_launch(monkeypatch):
+    """With PDL the launch sets ``launch_pdl`` and the kernel's ``USE_PDL``; without, neither
+    option exists (the launch of before the switch); on the CPU PDL stays off whatever the
+    switch says (and under the interpreter, on any device)."""
+    from qllm_kernels_linear import triton_gemv
+
+    x, weight, _ = (t.to("meta") if t is not None else t for t in linear_inputs(1, 24, 40))
+    out = torch.empty(1, 24, device="meta")
+    config = default_config(1, 24, 40)
+    grid, args, options = triton_gemv.gemv_launch(x, weight, None, out, config, pdl=True)
+    assert grid == (-(-24 // config.BLOCK_N),) and args["USE_PDL"] is True
+    assert options == dict(num_warps=config.num_warps, num_stages=config.num_stages,
+                           launch_pdl=True)
+    _, args, options = triton_gemv.gemv_launch(x, weight, None, out, config, pdl=False)
+    assert args["USE_PDL"] is False and "launch_pdl" not in options
+    monkeypatch.setattr(triton_gemv, "PDL", True)
+    assert not triton_gemv.pdl_available(torch.device("cpu"))
+    if INTERPRETING:
+        assert not triton_gemv.pdl_available(torch.device("cuda"))
+
+
+def _gdc_summary(m: int, n: int, k: int, pdl: bool, bias: bool = False) -> dict:
+    """``testing.gdc_summary`` of the GEMV compiled for sm_90 by the installed Triton (skips
+    where it cannot compile offline)."""
+    from qllm.testing.sm90 import sm90_compiler_missing
+    from qllm_kernels_linear import testing
+
+    missing = sm90_compiler_missing()
+    if missing:
+        pytest.skip(missing)
+    return testing.gdc_summary(testing.compile_gemv(m, n, k, pdl, bias))
+
+
+PDL_CASES = {**{f"{name}-m1": (1, *shape) for name, shape in QWEN3_5_35B_A3B_SHAPES.items()},
+             "moe_input-m4": (4, *QWEN3_5_35B_A3B_SHAPES["moe_input"]),
+             "out_proj-m2": (2, *QWEN3_5_35B_A3B_SHAPES["out_proj"])}
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@with_bias
+@pytest.mark.parametrize("case", PDL_CASES.values(), ids=PDL_CASES.keys())
+def test_pdl_sass(case, bias):
+    """Compiled for sm_90 with ``USE_PDL``: one ``griddepcontrol.launch_dependents``
+    (``PREEXIT``) then one ``griddepcontrol.wait`` (``ACQBULK``), unpredicated, with no branch
+    or exit before it (every thread runs it), and before it only the loads of the first
+    ``BLOCK_K`` weight columns, all of them (16-byte ``LDG.E.EF``: ``BLOCK_N`` rows x
+    ``BLOCK_K / (8 x 32 x num_warps)`` per thread): no load of ``x`` (``evict_last``, after
+    it) nor of the bias, no store, no atomic; no spill."""
+    m, n, k = case
+    summary = _gdc_summary(m, n, k, pdl=True, bias=bias)
+    config = default_config(m, n, k)
+    first_tile = config.BLOCK_N * config.BLOCK_K // (8 * 32 * config.num_warps)
+    assert summary == dict(spill_bytes=0, waits=1, launch_dependents=1, wait_unpredicated=True,
+                           launch_dependents_first=True, weight_loads_before_wait=first_tile,
+                           other_loads_before_wait=[], stores_before_wait=[],
+                           control_before_wait=[],
+                           x_loads_after_wait=summary["x_loads_after_wait"]), summary
+    assert summary["x_loads_after_wait"] >= block_m(m) * config.BLOCK_K // (
+        8 * 32 * config.num_warps), summary
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("case", PDL_CASES.values(), ids=PDL_CASES.keys())
+def test_no_pdl_sass(case):
+    """Without ``USE_PDL`` the kernel holds no grid-dependency-control instruction."""
+    summary = _gdc_summary(*case, pdl=False, bias=True)
+    assert summary["waits"] == summary["launch_dependents"] == 0, summary
+
+
 @interpreter_driver
 def test_triton_interpreter():
     """Runs the ``interpreted`` tests below on the CPU, in a subprocess with the interpreter."""
@@ -316,6 +495,17 @@ TINY_CONFIGS = {  # None: the rule's; the others tile rows partially and take se
 @pytest.mark.parametrize("shape", TINY_SHAPES.values(), ids=TINY_SHAPES.keys())
 def test_interpreted_parity(shape, rows, config, dtype, bias):
     check_parity(linear_inputs(rows, *shape, dtype, bias=bias), config)
+
+
+@interpreted
+@pytest.mark.parametrize("rows", [1, 3], ids=lambda m: f"m{m}")
+def test_interpreted_parity_with_pdl_switched_on(rows, monkeypatch):
+    """``QLLM_PDL=1`` leaves the op's CPU path as it is: the interpreter runs no inline PTX,
+    so the launch keeps PDL off."""
+    from qllm_kernels_linear import triton_gemv
+
+    monkeypatch.setattr(triton_gemv, "PDL", True)
+    check_parity(linear_inputs(rows, 33, 64, torch.bfloat16, bias=True))
 
 
 @interpreted
