@@ -81,7 +81,7 @@ class RecurrentSlotPool(CachePool):
             layer.attach_cache(tensors)
         self.supports_prefix_caching = num_checkpoints > 0
         if num_checkpoints:
-            row_bytes = sum(t[0].nbytes for t in self.storage)
+            row_bytes = bytes_per_slot(layers)
             logger.info("prefix cache: %d recurrent-state checkpoints (prefix_state_cache_slots)"
                         " of %.2f MiB each, %.1f MiB", num_checkpoints, row_bytes / 2**20,
                         num_checkpoints * row_bytes / 2**20)
