@@ -42,6 +42,11 @@ class Round:
     save_slots: list[int]
     save_rows: list[int]
 
+    @property
+    def seq_lens(self) -> list[int]:
+        """Each piece's end: ``context_lens[j] + query_lens[j]``."""
+        return [c + n for c, n in zip(self.context_lens, self.query_lens)]
+
 
 class CheckpointRounds:
     """The rounds of one prefill step (``Round``), shared by every recurrent layer of it; the
@@ -99,7 +104,7 @@ class CheckpointRounds:
             sub_batch = dataclasses.replace(
                 batch, query_start_loc=device["query_start_loc"], seq_lens=device["seq_lens"],
                 context_lens=device["context_lens"], query_lens_host=round_.query_lens,
-                seq_lens_host=[c + n for c, n in zip(round_.context_lens, round_.query_lens)],
+                seq_lens_host=round_.seq_lens,
                 max_query_len=max(round_.query_lens),
                 caches={**batch.caches, "recurrent_slot": dataclasses.replace(
                     batch.caches["recurrent_slot"], slots=device["slots"],
@@ -126,11 +131,10 @@ class CheckpointRounds:
             starts = [0]
             for n in round_.query_lens:
                 starts.append(starts[-1] + n)
-            seq_lens = [c + n for c, n in zip(round_.context_lens, round_.query_lens)]
             rows = round_.rows or []
             consecutive = rows and rows[-1] - rows[0] == len(rows) - 1  # (rows ascend)
             parts = {"rows": [] if consecutive else rows, "query_start_loc": starts,
-                     "seq_lens": seq_lens, "context_lens": round_.context_lens,
+                     "seq_lens": round_.seq_lens, "context_lens": round_.context_lens,
                      "slots": round_.slots, "has_state": round_.has_state,
                      "save_slots": round_.save_slots, "save_rows": round_.save_rows}
             flat = torch.tensor([v for values in parts.values() for v in values],
