@@ -51,12 +51,16 @@ def greedy(max_tokens):
     return [greedy(n) for n in max_tokens]
 
 
-def serve(llm, prompts, params):
-    """The first prompt alone (its KV blocks are cached; no checkpoint: nothing shared it
-    yet), the second alone (it finds the first's KV blocks, recomputes them and keeps a
-    checkpoint at that branch point), the rest but the last together, then the last."""
+# The first prompt alone (its KV blocks are cached; no checkpoint: nothing shared it yet), the
+# second alone (it finds the first's KV blocks, recomputes them and keeps a checkpoint at that
+# branch point), the rest but the last together, then the last.
+PHASES = (slice(0, 1), slice(1, 2), slice(2, -1), slice(-1, None))
+
+
+def serve(llm, prompts, params, phases=PHASES):
+    """``prompts`` served in ``phases`` (slices of them, one ``generate`` call each, in
+    order); the outputs in prompt order."""
     params = params if isinstance(params, list) else [params] * len(prompts)
-    phases = [slice(0, 1), slice(1, 2), slice(2, -1), slice(-1, None)]
     return [out for phase in phases
             for out in llm.generate(prompts[phase], params[phase], use_tqdm=False)]
 
@@ -101,12 +105,10 @@ def test_requests_finding_a_new_shared_prefix_together_wait_for_one_checkpoint(
     prompts = [system + s for s in suffixes]
     params = greedy(4)
     settings = dict(ENGINE, async_scheduling=async_scheduling)
-    off = LLM(checkpoint, **settings, **OFF)
-    expected = [o for batch in (prompts[:1], prompts[1:])
-                for o in off.generate(batch, params, use_tqdm=False)]
+    first_alone = (slice(0, 1), slice(1, None))
+    expected = serve(LLM(checkpoint, **settings, **OFF), prompts, params, first_alone)
     llm = LLM(checkpoint, **settings, **CACHED)
-    outputs = [o for batch in (prompts[:1], prompts[1:])
-               for o in llm.generate(batch, params, use_tqdm=False)]
+    outputs = serve(llm, prompts, params, first_alone)
     assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in expected]
     assert [o["num_cached_tokens"] for o in outputs] == [0, 0, 64, 64]
     stats = llm.engine.cache.prefix_cache_stats()
