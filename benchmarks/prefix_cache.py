@@ -17,11 +17,12 @@ suffixes of its own: in the first, with the cache on, the first requests find th
 prompt's KV blocks but no state checkpoint (one request served it, nothing shared it yet), so
 they recompute it and keep one at that branch point; later passes find it, as a server does
 once it has seen the system prompt shared. ``--system-prompts 2`` then does the same with a
-second system prompt: what its first pass no longer pays was a one-time cost (a compile). Prints one JSON line per mode, with one entry per
-pass: mean / p50 / p90 time to first token (from submission, all requests submitted at
-once), output throughput, wall seconds, the prefill steps (``StepTimeline``: tokens and
-seconds of each, which shows a compile or a recomputation), the prefix-cache counters
-(``CacheRegistry.prefix_cache_stats``); and the commit.
+second system prompt: what its first pass no longer pays was a one-time cost (a compile).
+Prints one JSON line per mode, with one entry per pass: mean / p50 / p90 time to first token
+(from submission, all requests submitted at once), output throughput, wall seconds, the
+prefill steps (``StepTimeline``: tokens and seconds of each, which shows a compile or a
+recomputation), the prefix-cache counters (``CacheRegistry.prefix_cache_stats``); and the
+commit.
 """
 
 from __future__ import annotations
