@@ -31,10 +31,10 @@ each: the five fastest, the rule's time (``default_config`` / ``slot_moe_config`
 config with the elementwise int8 conversion, bf16's and cuBLAS's; at 5-512 rows, every
 candidate of ``gemm_configs.swap_ab_candidates``.
 
-At MoE token counts where the op takes the sorted path (kernels_moe's table entry has
-``BLOCK_M`` > 1: 5 tokens and more), ``--sweep`` times the sorted path's tiles instead
-(``triton_moe.fused_moe_8bit``'s, which come from kernels_moe's table, tuned for the bf16
-kernel): each GEMM alone (gate-up on ``x``, down on its output; ``triton_moe._launch`` on the
+At MoE token counts where the op takes the sorted path (its table entry has ``BLOCK_M`` > 1:
+5 tokens and more), ``--sweep`` times the sorted path's tiles instead
+(``triton_moe.fused_moe_8bit``'s, from the plugin's int8 table, ``triton_moe.moe_config``):
+each GEMM alone (gate-up on ``x``, down on its output; ``triton_moe._launch`` on the
 sort at each ``BLOCK_M``) at every candidate of kernels_moe's tuning grid
 (``bench_moe.py``'s ``gemm_candidates`` over one of its ``GRIDS``, the rule's tiles added), one
 JSON line per GEMM (``moe_sorted_gate_up``, ``moe_sorted_down``: the five fastest, the rule's
@@ -84,7 +84,7 @@ from qllm.testing.benchmarking import print_table, time_ms
 from qllm_kernels_int8 import gemm_configs, gemv_configs, ops, quant
 from qllm_kernels_linear import ops as linear_ops
 from qllm_kernels_linear.testing import QWEN3_5_35B_A3B_SHAPES, linear_inputs
-from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
+from qllm_kernels_moe.configs import GemmConfig, MoeConfig
 from qllm_kernels_moe.testing import moe_inputs
 
 DTYPE = torch.bfloat16
@@ -375,9 +375,11 @@ class SortedGemmConfig:
 
 
 def table_config(tokens: int) -> MoeConfig:
-    """kernels_moe's table entry at ``tokens`` tokens: the sorted path's config where
-    ``BLOCK_M`` > 1 (what the op runs there), else the op takes the slot path."""
-    return get_config(tokens, EXPERTS, 2 * INTER, HIDDEN, SLOTS_PER_TOKEN)
+    """The int8 op's config at ``tokens`` tokens (``moe_config``): the sorted path's where
+    ``BLOCK_M`` > 1, else the slot path's."""
+    from qllm_kernels_int8.triton_moe import moe_config
+
+    return moe_config(tokens, EXPERTS, 2 * INTER, HIDDEN, SLOTS_PER_TOKEN)
 
 
 @functools.cache

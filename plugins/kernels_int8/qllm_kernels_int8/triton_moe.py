@@ -15,18 +15,20 @@ H]`` left for the residual add to sum); what differs is the weight tiles:
 Where the table's entry has ``BLOCK_M == 1`` (kernels_moe's one-program-per-slot path, at a
 few tokens), the 8-bit twin of that path runs instead (``triton_slot_moe``: no sort, GEMV-style
 programs, fp8 weight-only there), with its own tiles (``gemv_configs.slot_moe_config``). The
-sorted path's tiles are kernels_moe's bf16 ones, not tuned for 8-bit weights.
+sorted path's tiles: int8 has its own table (``configs/``, the tile sweep of ``bench_int8.py
+--sweep``), fp8 takes kernels_moe's bf16 one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
+from qllm_kernels_moe.configs import CONFIG_DIR, GemmConfig, MoeConfig, config_path, get_config
 from qllm_kernels_moe.triton_align import moe_align_triton
 
 from qllm_kernels_int8.gemv_configs import slot_moe_config
@@ -34,6 +36,7 @@ from qllm_kernels_int8.triton_linear import fp8_group_quant
 from qllm_kernels_int8.triton_slot_moe import slot_down_8bit, slot_gate_up_8bit
 
 MIN_FP8_BLOCK_K = 32
+INT8_CONFIG_DIR = Path(__file__).parent / "configs"  # the int8 sorted path's tile tables
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -153,10 +156,14 @@ def _fit(config: GemmConfig, block: tuple[int, int] | None) -> GemmConfig:
 
 
 def moe_config(tokens: int, num_experts: int, gate_up_rows: int, hidden_size: int,
-               top_k: int) -> MoeConfig:
-    """kernels_moe's table entry for ``tokens``; where it picks the slot path (``BLOCK_M``
+               top_k: int, block: tuple[int, int] | None = None) -> MoeConfig:
+    """The table entry for ``tokens`` (int8, ``block`` ``None``: this plugin's table where the
+    shape has one; fp8: kernels_moe's bf16 table); where it picks the slot path (``BLOCK_M``
     1), the 8-bit slot path's tiles (``slot_moe_config``)."""
-    config = get_config(tokens, num_experts, gate_up_rows, hidden_size, top_k)
+    table_dir = INT8_CONFIG_DIR if block is None else CONFIG_DIR
+    if not config_path(num_experts, gate_up_rows, hidden_size, table_dir).is_file():
+        table_dir = CONFIG_DIR
+    config = get_config(tokens, num_experts, gate_up_rows, hidden_size, top_k, table_dir)
     if config.BLOCK_M == 1:
         return slot_moe_config(tokens * top_k, gate_up_rows // 2, hidden_size)
     return config
@@ -182,7 +189,7 @@ def fused_moe_8bit(x: torch.Tensor, w13: tuple[torch.Tensor, torch.Tensor],
     top_k = topk_ids.shape[1]
     if tokens == 0:
         return x.new_zeros(tokens, top_k, hidden_size)
-    config = config or moe_config(tokens, num_experts, gate_up_rows, hidden_size, top_k)
+    config = config or moe_config(tokens, num_experts, gate_up_rows, hidden_size, top_k, block)
     x = x if x.stride(-1) == 1 else x.contiguous()
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
     if config.BLOCK_M == 1:

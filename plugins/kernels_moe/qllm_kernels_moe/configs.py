@@ -50,15 +50,18 @@ class MoeConfig:
                 "down": dataclasses.asdict(self.down)}
 
 
-def config_path(num_experts: int, n: int, k: int) -> Path:
-    """The table for ``gate_up_proj [E, N, K]``."""
-    return CONFIG_DIR / f"E={num_experts},N={n},K={k}.json"
+def config_path(num_experts: int, n: int, k: int, directory: Path = CONFIG_DIR) -> Path:
+    """The table for ``gate_up_proj [E, N, K]`` in ``directory`` (this package's tables are
+    for bf16 / fp16 weights; a weight-format plugin keeps its own beside its kernels)."""
+    return directory / f"E={num_experts},N={n},K={k}.json"
 
 
 @functools.cache
-def load_table(num_experts: int, n: int, k: int) -> dict[int, MoeConfig] | None:
-    """``{max tokens: config}`` sorted by key, or ``None`` when the shape has no table."""
-    path = config_path(num_experts, n, k)
+def load_table(num_experts: int, n: int, k: int,
+               directory: Path = CONFIG_DIR) -> dict[int, MoeConfig] | None:
+    """``{max tokens: config}`` sorted by key, or ``None`` when the shape has no table in
+    ``directory``."""
+    path = config_path(num_experts, n, k, directory)
     if not path.is_file():
         return None
     entries = json.loads(path.read_text())["configs"]
@@ -81,9 +84,11 @@ def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
     return MoeConfig(64, GemmConfig(64, 64), GemmConfig(128, 64))
 
 
-def get_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int) -> MoeConfig:
-    """The config for ``num_tokens`` tokens through ``gate_up_proj [E, N, K]`` with top-k."""
-    table = load_table(num_experts, n, k)
+def get_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int,
+               directory: Path = CONFIG_DIR) -> MoeConfig:
+    """The config for ``num_tokens`` tokens through ``gate_up_proj [E, N, K]`` with top-k,
+    from the table in ``directory`` (``default_config`` without one)."""
+    table = load_table(num_experts, n, k, directory)
     if table is None:
         return default_config(num_tokens, num_experts, top_k)
     for max_tokens, config in table.items():
