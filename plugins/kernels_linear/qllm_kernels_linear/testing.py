@@ -87,6 +87,17 @@ def gemv_chain(hidden: torch.Tensor, layers: list[ChainLayer], linear) -> torch.
     return hidden
 
 
+def gemv_only_chain(hidden: torch.Tensor, layers: list[ChainLayer], linear) -> torch.Tensor:
+    """``hidden [1, 2048]`` through ``layers`` by their GEMVs alone, each fed straight by the
+    one before: ``in_proj``, then its first 4,096 outputs (a view) through ``out_proj``. No
+    kernel stands between two GEMVs: the best case for programmatic dependent launch, where
+    every launch can overlap the previous GEMV's tail. Returns ``[1, 2048]``."""
+    for layer in layers:
+        mixed = linear(hidden, layer.in_proj, None)[:, :4096]                  # [1, 4096]
+        hidden = linear(mixed, layer.out_proj, None)                           # [1, 2048]
+    return hidden
+
+
 def compile_gemv(m: int, n: int, k: int, pdl: bool, bias: bool = False,
                  dtype: torch.dtype = torch.bfloat16):
     """The GEMV's kernel for ``x [m, k]`` through ``weight [n, k]`` (contiguous, as in the
