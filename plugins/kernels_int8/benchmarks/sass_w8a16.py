@@ -22,12 +22,12 @@ import json
 import triton
 
 from qllm_kernels_int8.gemm_configs import swap_ab_config
-from qllm_kernels_int8.testing import compile_shared_b, compile_swap_ab, sass_summary
+from qllm_kernels_int8.testing import (compile_shared_b, compile_swap_ab, issue_rates,
+                                       sass_summary)
 from qllm_kernels_int8.triton_linear import gemm_config
 from qllm_kernels_linear.testing import QWEN3_5_35B_A3B_SHAPES
 
 INT8_SHAPES = ("out_proj", "gdn_in_proj", "qkv_proj")
-SCHEDULERS = 4  # warp schedulers per SM
 
 
 def cdiv(a: int, b: int) -> int:
@@ -39,11 +39,10 @@ def describe(kernel: str, compiled, tiles: tuple[int, int, int], programs: int, 
     """One JSON line: the config, grid, steps and the compiled code's summary."""
     block_m, block_n, block_k = tiles
     summary = sass_summary(compiled)
-    issue = summary["loop_instructions"] * warps / SCHEDULERS
     return dict(kernel=kernel, config=dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                            num_warps=warps, **config),
-                programs=programs, steps=steps, **summary, issue_per_step=round(issue),
-                issue_per_weight_kb=round(issue * 1024 / (block_n * block_k), 1))
+                programs=programs, steps=steps, **summary,
+                **issue_rates(summary, warps, block_n * block_k))
 
 
 def compare(rows: int, name: str) -> list[dict]:

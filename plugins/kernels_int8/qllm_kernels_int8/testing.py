@@ -1,8 +1,9 @@
-"""The W8A16 GEMMs compiled for sm_90 without a GPU, specialized as a real launch would be, and a
-summary of their code (registers, shared memory, the K loop's instructions, writes into the
-registers of an MMA in flight): what backs the kernels' design in the tests and in
-``benchmarks/sass_w8a16.py``, for whichever Triton is installed (its code differs between
-versions: see ``triton_w8a16``), through ``qllm.testing.sm90``.
+"""The W8A16 GEMMs and the sorted MoE's grouped GEMM compiled for sm_90 without a GPU,
+specialized as a real launch would be, and a summary of their code (registers, shared memory,
+the K loop's instructions, writes into the registers of an MMA in flight): what backs the
+kernels' design in the tests and in ``benchmarks/sass_w8a16.py`` / ``sass_moe.py``, for
+whichever Triton is installed (its code differs between versions: see ``triton_w8a16``),
+through ``qllm.testing.sm90``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from qllm.testing.sm90 import compile_for_sm90, resource_usage, sass_instructions
 from qllm_kernels_int8.gemm_configs import W8A16GemmConfig, swap_ab_config
+from qllm_kernels_moe.configs import GemmConfig
 
 
 def k_loop(found: list[tuple[int, str, str]]) -> list[tuple[str, str]]:
@@ -98,6 +100,18 @@ def sass_summary(compiled) -> dict:
                 a_written_in_flight=len(in_flight_a_writes(loop)))
 
 
+SCHEDULERS = 4  # warp schedulers per SM
+
+
+def issue_rates(summary: dict, warps: int, weight_bytes_per_step: int) -> dict:
+    """``issue_per_step``: the K loop's warp instructions per SM scheduler per step, and
+    ``issue_per_weight_kb``: the same per KiB of weight the step reads, a floor on the issue
+    cycles a program spends per KiB of weight (before any wait)."""
+    issue = summary["loop_instructions"] * warps / SCHEDULERS
+    return dict(issue_per_step=round(issue),
+                issue_per_weight_kb=round(issue * 1024 / weight_bytes_per_step, 1))
+
+
 def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype, device="meta")
 
@@ -129,3 +143,44 @@ def compile_shared_b(m: int, n: int, k: int):
                           scale, None, _meta(m, n, dtype=torch.bfloat16), False, 1, 1, config)
     return compile_for_sm90(_gemm_8bit_kernel, args, dict(num_warps=config[4],
                                                           num_stages=config[5]))
+
+
+def compile_sorted_moe(tokens: int, gated: bool, block_m: int, tiles: GemmConfig,
+                       block: tuple[int, int] | None = None, experts: int = 256,
+                       hidden: int = 2048, inter: int = 512, slots_per_token: int = 9):
+    """One grouped GEMM of the sorted MoE path (``triton_moe._expert_gemm_8bit_kernel``)
+    compiled for sm_90 as ``fused_moe_8bit`` launches it at ``tokens`` tokens: gate-up
+    (``gated``: ``x [T, hidden]`` -> ``[S, inter]``) or down (``[S, inter]`` -> ``[S,
+    hidden]``), int8 (``block`` ``None``) or fp8 with ``block`` scales, on the sort at
+    ``block_m`` slots per block, at ``tiles`` (``BLOCK_K`` as given: ``triton_moe._fit``
+    is the caller's). Defaults: Qwen3.5-35B-A3B's experts, top-8 plus the shared one."""
+    from qllm_kernels_int8.quant import FP8_DTYPE
+    from qllm_kernels_int8.triton_moe import _expert_gemm_8bit_kernel, expert_gemm_args
+    from qllm_kernels_moe.align import SortedSlots, max_padded_slots
+
+    slots = tokens * slots_per_token
+    rows, k, width = (2 * inter, hidden, inter) if gated else (hidden, inter, hidden)
+    a_rows = tokens if gated else slots
+    padded = max_padded_slots(slots, experts + 1, block_m)
+    sort = SortedSlots(_meta(padded, dtype=torch.int64), _meta(padded // block_m,
+                                                             dtype=torch.int64),
+                       _meta(1, dtype=torch.int64))
+    out = _meta(slots, width, dtype=torch.bfloat16)
+    routing = out if gated else _meta(tokens, slots_per_token, dtype=torch.bfloat16)
+    if block is None:
+        a = a_scale = _meta(a_rows, k, dtype=torch.bfloat16)  # no activation scales
+        w, shared_w = (_meta(*shape, rows, k, dtype=torch.int8) for shape in ((experts,), ()))
+        w_scale, shared_scale = _meta(experts, rows, dtype=torch.float32), _meta(
+            rows, dtype=torch.float32)
+    else:
+        groups, row_blocks = -(-k // block[1]), -(-rows // block[0])
+        a, a_scale = _meta(a_rows, k, dtype=FP8_DTYPE), _meta(a_rows, groups,
+                                                              dtype=torch.float32)
+        w, shared_w = (_meta(*shape, rows, k, dtype=FP8_DTYPE) for shape in ((experts,), ()))
+        w_scale = _meta(experts, row_blocks, groups, dtype=torch.float32)
+        shared_scale = _meta(row_blocks, groups, dtype=torch.float32)
+    args = expert_gemm_args(a, a_scale, w, w_scale, shared_w, shared_scale, out, routing, sort,
+                            block_m, tiles, slots_per_a_row=slots_per_token if gated else 1,
+                            gated=gated, block=block)
+    return compile_for_sm90(_expert_gemm_8bit_kernel, args,
+                            dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))

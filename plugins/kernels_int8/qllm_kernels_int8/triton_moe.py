@@ -122,23 +122,37 @@ def _expert_gemm_8bit_kernel(
              mask=slot_mask[:, None] & col_mask[None, :])
 
 
+def expert_gemm_args(a, a_scale, w, w_scale, shared_w, shared_scale, out, routing_weights,
+                     sorted_slots, block_m: int, config: GemmConfig, *, slots_per_a_row: int,
+                     gated: bool, block: tuple[int, int] | None) -> dict:
+    """``_expert_gemm_8bit_kernel``'s arguments by name (not the launch options), writing
+    ``out [S, N]`` from ``a`` (int8: ``block`` ``None``, ``a_scale`` unused; fp8: ``block``
+    the weights' scale block) on ``sorted_slots`` at ``block_m`` slots per block."""
+    fp8 = block is not None
+    return dict(
+        a_ptr=a, a_scale_ptr=a_scale, w_ptr=w, w_scale_ptr=w_scale, shared_w_ptr=shared_w,
+        shared_scale_ptr=shared_scale, out_ptr=out, routing_weights_ptr=routing_weights,
+        slots_ptr=sorted_slots.slots, block_experts_ptr=sorted_slots.block_experts,
+        num_blocks_ptr=sorted_slots.num_blocks, num_slots=out.shape[0],
+        num_experts=w.shape[0], N=out.shape[1], K=a.shape[1], stride_a_row=a.stride(0),
+        stride_as_row=a_scale.stride(0) if fp8 else 0, stride_w_expert=w.stride(0),
+        stride_w_row=w.stride(1), stride_s_expert=w_scale.stride(0),
+        stride_s_row=w_scale.stride(1) if fp8 else 1, stride_out_row=out.stride(0),
+        scale_block_n=block[0] if fp8 else 1, SLOTS_PER_A_ROW=slots_per_a_row, GATED=gated,
+        FP8=fp8, GROUP_K=block[1] if fp8 else 1, BLOCK_M=block_m, BLOCK_N=config.BLOCK_N,
+        BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M)
+
+
 def _launch(a, a_scale, w, w_scale, shared_w, shared_scale, out, routing_weights,
             sorted_slots, block_m: int, config: GemmConfig, *, slots_per_a_row: int,
             gated: bool, block: tuple[int, int] | None) -> torch.Tensor:
-    n = out.shape[1]
-    fp8 = block is not None
-    grid = (sorted_slots.block_experts.shape[0] * triton.cdiv(n, config.BLOCK_N),)
+    """One grouped GEMM (``expert_gemm_args``) over every block the sort may fill."""
+    grid = (sorted_slots.block_experts.shape[0] * triton.cdiv(out.shape[1], config.BLOCK_N),)
     _expert_gemm_8bit_kernel[grid](
-        a, a_scale, w, w_scale, shared_w, shared_scale, out, routing_weights,
-        sorted_slots.slots, sorted_slots.block_experts, sorted_slots.num_blocks,
-        out.shape[0], w.shape[0], n, a.shape[1],
-        a.stride(0), a_scale.stride(0) if fp8 else 0, w.stride(0), w.stride(1),
-        w_scale.stride(0), w_scale.stride(1) if fp8 else 1, out.stride(0),
-        block[0] if fp8 else 1,
-        SLOTS_PER_A_ROW=slots_per_a_row, GATED=gated, FP8=fp8,
-        GROUP_K=block[1] if fp8 else 1, BLOCK_M=block_m, BLOCK_N=config.BLOCK_N,
-        BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        **expert_gemm_args(a, a_scale, w, w_scale, shared_w, shared_scale, out,
+                           routing_weights, sorted_slots, block_m, config,
+                           slots_per_a_row=slots_per_a_row, gated=gated, block=block),
+        num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 
