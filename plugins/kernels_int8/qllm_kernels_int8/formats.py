@@ -1,8 +1,8 @@
-"""The ``int8``, ``int8-experts`` and ``fp8`` weight formats
+"""The ``int8``, ``int8-experts``, ``fp8`` and ``fp8-experts`` weight formats
 (``qllm.model.quantization.WeightFormat``).
 
-Which modules become 8-bit (``int8-experts``: the MoE blocks' only, every other ``Linear``
-stays full precision):
+Which modules become 8-bit (``int8-experts``, ``fp8-experts``: the MoE blocks' only, every
+other ``Linear`` stays full precision):
 
 - every module of qllm's ``Linear`` family (``Linear``, ``PackedLinear`` and subclasses such
   as the GDN input projection), unless its class or instance sets ``quantizable = False``;
@@ -82,7 +82,7 @@ class EightBitFormat(WeightFormat):
         swap_modules(model, replace)
         if not self.dense and not moe_blocks:
             raise ValueError(f"weight format {self.name!r} quantizes MoE experts only, and "
-                             f"{type(model).__name__} has none; use 'int8' for its "
+                             f"{type(model).__name__} has none; use {self.fmt!r} for its "
                              f"projections")
 
     def _replace_moe(self, name: str, block: nn.Module, kernels, convert) -> None:
@@ -197,3 +197,12 @@ class Fp8Format(EightBitFormat):
 
     def make_linear(self, layout, kernels):
         return Fp8Linear(layout, kernels, self.block)
+
+
+class Fp8ExpertsFormat(Fp8Format):
+    """FP8 e4m3 (128 x 128 block scales, quantized at load) on the MoE blocks alone, as
+    ``int8-experts`` does for int8: the routed and shared experts in fp8 (their W8A8 GEMMs),
+    every other projection full precision."""
+
+    name = "fp8-experts"
+    dense = False

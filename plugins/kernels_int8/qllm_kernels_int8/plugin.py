@@ -1,5 +1,5 @@
-"""qllm plugin entry point: the ``int8``, ``int8-experts`` and ``fp8`` weight formats (``qllm_weight_formats``)
-and the ops their modules call (``qllm_kernels``).
+"""qllm plugin entry point: the ``int8``, ``int8-experts``, ``fp8`` and ``fp8-experts`` weight
+formats (``qllm_weight_formats``) and the ops their modules call (``qllm_kernels``).
 
 Each op has its plain-torch reference (``torch``, priority 0, every device: dequantize, then
 the full-precision op) and a Triton implementation (``triton``, priority 10) on CUDA in
@@ -12,7 +12,8 @@ from qllm.plugins.hookspecs import hookimpl
 from qllm.plugins.specs import KernelSpec, WeightFormatSpec, triton_on_cuda
 
 from qllm_kernels_int8 import ops, quant
-from qllm_kernels_int8.formats import Fp8Format, Int8ExpertsFormat, Int8Format
+from qllm_kernels_int8.formats import (Fp8ExpertsFormat, Fp8Format, Int8ExpertsFormat,
+                                       Int8Format)
 
 PLUGIN = "qllm-kernels-int8"
 INT8_OPS = ("linear_w8a16", "fused_moe_w8a16")
@@ -36,6 +37,11 @@ def qllm_weight_formats():
                          ops=FP8_OPS,
                          description="FP8 e4m3 W8A8 with 128x128 block scales (Qwen's FP8 "
                                      "checkpoints, or quantized at load)"),
+        WeightFormatSpec(name="fp8-experts",
+                         create=lambda quant_config, config: Fp8ExpertsFormat(None),
+                         plugin=PLUGIN, ops=FP8_OPS,
+                         description="FP8 e4m3 W8A8 on the MoE experts alone, quantized at "
+                                     "load, other projections full precision"),
     ]
 
 

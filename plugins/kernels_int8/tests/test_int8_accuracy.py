@@ -105,24 +105,27 @@ def test_quantized_model_accuracy(checkpoint, fmt):
     assert cosine > COSINE_BOUND[fmt], f"{fmt}: logits cosine {cosine:.6f}"
 
 
-def test_int8_experts_quantizes_the_moe_blocks_alone(checkpoint):
-    """``int8-experts``: the routed and shared experts in int8, every other projection full
-    precision; the logits those weights give, dequantized, as in ``int8``. A model without
-    MoE blocks is refused by name."""
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_experts_formats_quantize_the_moe_blocks_alone(checkpoint, fmt):
+    """``int8-experts`` / ``fp8-experts``: the routed and shared experts in 8 bits, every
+    other projection full precision; the logits those weights give, dequantized, as in
+    ``int8`` / ``fp8``. A model without MoE blocks is refused by name."""
+    weight_format = f"{fmt}-experts"
     if "moe" not in checkpoint:
-        with pytest.raises(ValueError, match="quantizes MoE experts only"):
-            LLM(checkpoint, quantization="int8-experts", **OPTIONS)
+        with pytest.raises(ValueError, match=f"quantizes MoE experts only.*use '{fmt}'"):
+            LLM(checkpoint, quantization=weight_format, **OPTIONS)
         return
-    llm = LLM(checkpoint, quantization="int8-experts", **OPTIONS)
-    quantized = {name for name, m in llm.engine.model.named_modules()
+    llm = LLM(checkpoint, quantization=weight_format, **OPTIONS)
+    quantized = {name: m for name, m in llm.engine.model.named_modules()
                  if isinstance(m, (QuantizedLinear, QuantizedExperts))}
     assert quantized and all(".mlp." in name for name in quantized), sorted(quantized)
-    assert any(name.endswith(".experts") for name in quantized)
+    experts = [m for m in quantized.values() if isinstance(m, QuantizedExperts)]
+    assert experts and all(m.fmt == fmt for m in experts)
     logits = prefill_logits(llm, PROMPT)
     twin = dequantized_twin(checkpoint, llm)
     torch.testing.assert_close(logits, prefill_logits(twin, PROMPT), atol=1e-4, rtol=1e-4)
     cosine = _cosine(logits, prefill_logits(LLM(checkpoint, **OPTIONS), PROMPT))
-    assert cosine > COSINE_BOUND["int8"], f"int8-experts: logits cosine {cosine:.6f}"
+    assert cosine > COSINE_BOUND[fmt], f"{weight_format}: logits cosine {cosine:.6f}"
 
 
 def _fp8_candidate(name: str, tensor: torch.Tensor) -> bool:

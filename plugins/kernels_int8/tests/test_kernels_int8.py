@@ -6,12 +6,12 @@
   the int8 -> fp32 / bf16 / fp16 conversions, and (with Triton, no GPU) the inline-PTX
   variants compiled for sm_90, the swap-AB GEMM's code at W2's 200 rows and the rule's other
   tiles included (by the installed Triton: its MMA retired before the next step writes the
-  MMA's registers); under the Triton interpreter (``test_triton_interpreter`` reruns the
-  ``interpreted`` tests in a subprocess with ``TRITON_INTERPRET=1``) at tiny shapes: the
-  8-bit GEMV (through the ops and at explicit launch configs), both W8A16 GEMMs (through the
-  op, and the swap-AB one at explicit configs, split-K included), the fp8 activation
-  quantization, the fp8 block GEMM, both 8-bit fused MoEs on the sorted path and on the slot
-  path.
+  MMA's registers), the fp8 sorted MoE's MMA at 16- and 64-row blocks; under the Triton
+  interpreter (``test_triton_interpreter`` reruns the ``interpreted`` tests in a subprocess
+  with ``TRITON_INTERPRET=1``) at tiny shapes: the 8-bit GEMV (through the ops and at
+  explicit launch configs), both W8A16 GEMMs (through the op, and the swap-AB one at
+  explicit configs, split-K included), the fp8 activation quantization, the fp8 block GEMM,
+  both 8-bit fused MoEs on the sorted path and on the slot path.
 - CUDA (skipped without a GPU): the ops at Qwen3.5-35B-A3B shapes in bf16 (the GEMV with
   both int8 conversions, the swap-AB GEMM with both, in bf16 and fp16), and a compiled
   fullgraph call.
@@ -152,7 +152,7 @@ def test_custom_ops_compile_fullgraph_on_fake_path():
 
 def test_plugin_registration():
     registry = PluginRegistry(extra_plugins=[plugin], load_entry_points=False)
-    assert sorted(registry.weight_formats) == ["fp8", "int8", "int8-experts"]
+    assert sorted(registry.weight_formats) == ["fp8", "fp8-experts", "int8", "int8-experts"]
     assert registry.weight_formats["fp8"].checkpoint_methods == ("fp8",)
     ops_ = plugin.INT8_OPS + plugin.FP8_OPS
     cuda_names = registry.kernels(torch.device("cuda"), torch.bfloat16).names()
@@ -350,6 +350,30 @@ def test_swap_ab_gemm_sass_retires_mma(rows, fast_int8):
     """The same at the rule's other tiles (16 and 64 input rows on one warpgroup with 256- and
     128-column steps, 128 rows on two) and with Triton's int8 cast as well (bf16)."""
     _assert_mma_retired_each_step(_swap_ab_sass(rows, 12352, 2048, fast_int8))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_sorted_moe_fp8_sass(block_m):
+    """The fp8 sorted MoE's down GEMM at W2's 200 tokens (the bf16 table's tiles), compiled
+    for sm_90: the fp8 ``wgmma`` (``QGMMA``, e4m3 operands as loaded, no conversion) takes
+    64-row blocks; at the table's 16 the tiles are unpacked to fp16 (``F2FP``) for
+    ``mma.sync`` (``HMMA``). See ``benchmarks/sass_moe.py``."""
+    from qllm.testing.sm90 import sm90_compiler_missing
+    from qllm_kernels_int8 import testing
+
+    missing = sm90_compiler_missing()
+    if missing:
+        pytest.skip(missing)
+    config = GemmConfig(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)
+    summary = testing.sass_summary(testing.compile_sorted_moe(200, False, block_m, config,
+                                                              (128, 128)))
+    opcodes = summary["loop_opcodes"]
+    assert summary["spill_bytes"] == 0, summary
+    if block_m == 16:
+        assert summary["mma"].startswith("HMMA") and opcodes.get("F2FP"), summary
+    else:
+        assert summary["mma"].startswith("QGMMA") and "F2FP" not in opcodes, summary
 
 
 # ----------------------------------------------------------------------------- interpreter
