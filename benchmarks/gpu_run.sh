@@ -29,6 +29,13 @@
 #   today kernels_moe's bf16 table) at W2's 200 tokens and a 16,384-token prefill step: per
 #   GEMM the five fastest and the table's, then the whole op at the best against the table's
 #   tiles and bf16 (3 JSON lines per token count; about 3 minutes of sweeping);
+#   bench-fp8-sweep-sorted: the same on the fp8 (W8A8, 128x128 block scales) sorted path
+#   (bench_int8.py --format fp8: BLOCK_K within the scale block, BLOCK_M 32 and 64 beside the
+#   bf16 table's 16 at 200 tokens, 64 beside its 128 at 16,384; against the fp8 rule, bf16
+#   and the int8 op; about 5.5 minutes of sweeping); sass-moe: no GPU, the sorted MoE's
+#   grouped GEMM (int8, fp8) compiled for sm_90 by the image's Triton at the table configs
+#   and at BLOCK_M 32 / 64 / 128 (sass_moe.py: MMA kind, registers, spills, K loop, MMAs in
+#   flight at its waits; JSON lines, the last a one-line summary);
 #   bench-int8-gemm: the dense 8-bit kernels against bf16 at 16, 64, 200 and 512 rows (the two
 #   W8A16 GEMMs, shared-B and swap-AB, side by side); bench-int8-sweep-gemm: the swap-AB
 #   GEMM's launch-config sweep at 200 rows (best per shape, the rule's, the shared-B GEMM's,
@@ -46,7 +53,8 @@
 #   their profiles keep the GDN state in bf16, as vLLM's anchors do (WORKLOADS.md), and
 #   w2-fp32-state runs W2 with the fp32 default; w2-256: W2 at max_num_seqs=256 and
 #   max_model_len=4096 (the outside harness's settings); w2-int8, w2-fp8, w3-int8, w3-fp8:
-#   W2 / W3 with 8-bit weights (qllm-kernels-int8; w2-int8-experts: on the experts alone);
+#   W2 / W3 with 8-bit weights (qllm-kernels-int8; w2-int8-experts, w2-fp8-experts: on the
+#   experts alone);
 #   w2-no-prefix-cache: W2 with the hybrid prefix cache off (0 state checkpoints; on by
 #   default, as in w2); prefix-cache:
 #   prefix_cache.py (64 requests sharing a 4,000-token prompt, cache off then on);
@@ -160,6 +168,11 @@ for stage in "$@"; do
         bench-int8-sweep-sorted) TAIL=${TAIL:-8} run bench_int8_sweep_sorted 420 python3 \
                                      plugins/kernels_int8/benchmarks/bench_int8.py --sweep \
                                      --parts moe --moe-tokens 200 16384 ;;
+        bench-fp8-sweep-sorted) TAIL=${TAIL:-8} run bench_fp8_sweep_sorted 480 python3 \
+                                    plugins/kernels_int8/benchmarks/bench_int8.py --sweep \
+                                    --parts moe --moe-tokens 200 16384 --format fp8 ;;
+        sass-moe) TAIL=${TAIL:-1} run sass_moe 200 python3 \
+                      plugins/kernels_int8/benchmarks/sass_moe.py ;;
         bench-int8-gemm) TAIL=${TAIL:-26} run bench_int8_gemm 300 python3 \
                              plugins/kernels_int8/benchmarks/bench_int8.py --rows 16 64 200 512 \
                              --parts dense ;;
@@ -178,7 +191,7 @@ for stage in "$@"; do
                 --profile-decode 200 2000 --profile-out "$out" ;;
         w2-256) run w2_256 300 python3 benchmarks/throughput.py --workload w2 --max-num-seqs 256 \
                     --max-model-len 4096 --recurrent-state-dtype bfloat16 ;;
-        w2-int8|w2-int8-experts|w2-fp8) run "${stage/-/_}" 360 python3 benchmarks/throughput.py --workload w2 \
+        w2-int8|w2-int8-experts|w2-fp8|w2-fp8-experts) run "${stage/-/_}" 360 python3 benchmarks/throughput.py --workload w2 \
                             --max-num-seqs 200 --max-model-len 3072 --recurrent-state-dtype \
                             bfloat16 --quantization "${stage#w2-}" ;;
         w3-int8|w3-fp8) run "${stage/-/_}" 200 python3 benchmarks/throughput.py --workload w3 \

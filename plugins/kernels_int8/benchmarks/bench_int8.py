@@ -55,6 +55,17 @@ token count; ``--dry-run`` prints the counts and that estimate (``est_s``).
 (``gemm_candidates`` bounds shared memory with bf16 weight tiles: the int8 ones take half,
 but the converted tile needs a bf16 copy besides.)
 
+``--format fp8`` runs the same sweep on the fp8 (W8A8, 128 x 128 block scales) sorted path:
+the candidates whose ``BLOCK_K`` lies within a 128-column scale block (``triton_moe._fit``;
+the decode grid keeps its 128), each GEMM timed on activations quantized as the op does
+(``fp8_group_quant``, outside the timed call), against the fp8 rule (kernels_moe's bf16
+table, ``moe_config(..., block)``), bf16 and the int8 op (``int8_op_us``), ``max_err``
+against the W8A8 reference (``quant.fused_moe_fp8_w8a8_reference``). ``BLOCK_M`` adds
+``FP8_BLOCK_MS``: 32 and 64 at decode batches (the fp8 wgmma needs 64 rows; at 16 and 32
+the fp8 tiles are converted for fp16 ``mma.sync``, ``sass_moe.py``), 64 beyond. 104
+candidates at 200 tokens, 152 at 16,384: about 135 and 198 s. (fp8 tiles take half the
+shared memory ``gemm_candidates`` counts, so it leaves out some that would fit.)
+
 ``--parts`` picks the dense shapes, the MoE or both; ``--dry-run`` prints what would run
 (cases, candidate counts) without a GPU.
 
@@ -62,7 +73,7 @@ but the converted tile needs a bf16 copy besides.)
     python plugins/kernels_int8/benchmarks/bench_int8.py --sweep [--rows 1 2 4] [--parts dense]
     python plugins/kernels_int8/benchmarks/bench_int8.py --sweep --rows 200 --parts dense
     python plugins/kernels_int8/benchmarks/bench_int8.py --sweep --parts moe \
-        --moe-tokens 200 16384 [--grid decode|quick|full] [--block-m 16 32]
+        --moe-tokens 200 16384 [--grid decode|quick|full] [--block-m 16 32] [--format fp8]
     python plugins/kernels_int8/benchmarks/bench_int8.py --dry-run [--sweep]
 """
 
@@ -96,6 +107,11 @@ SWEEP_REP_MS = 25  # per candidate: hundreds of runs of a few microseconds each
 SWEEP_COMPILE_S, SWEEP_TIMING_S = 1.0, 0.3
 BENCH_MOE = Path(__file__).resolve().parents[2] / "kernels_moe" / "benchmarks" / "bench_moe.py"
 FP8_BLOCK = (128, 128)
+SCALE_BLOCKS = {"int8": None, "fp8": FP8_BLOCK}  # the sorted path's ``block`` per format
+# fp8's sorted sweep also tries these BLOCK_M (at decode batches, else beyond): the fp8 wgmma
+# (QGMMA) takes 64 rows per warpgroup, below that Triton runs fp16 mma.sync on converted tiles;
+# at 16,384 tokens 64 rows spill less than the table's 128 (sass_moe.py)
+FP8_BLOCK_MS = {True: (32, 64), False: (64,)}
 INT8_SHAPES = ("out_proj", "gdn_in_proj", "qkv_proj")  # the projections that become 8-bit
 EXPERTS, TOP_K, HIDDEN, INTER = 256, 8, 2048, 512
 SLOTS_PER_TOKEN = TOP_K + 1  # the shared expert's slot
@@ -260,10 +276,15 @@ def sweep_dense(name: str, rows: int) -> dict:
 
 
 class MoeCase:
-    """Qwen3.5-35B-A3B's experts at ``tokens`` tokens: bf16, int8 and fp8 arguments."""
+    """Qwen3.5-35B-A3B's experts at ``tokens`` tokens: bf16, int8 and fp8 arguments;
+    ``quantize`` the fp8 sorted path's activation quantization (default the op's,
+    ``fp8_group_quant``)."""
 
-    def __init__(self, tokens: int):
+    def __init__(self, tokens: int, quantize=None):
+        from qllm_kernels_int8.triton_linear import fp8_group_quant
+
         self.tokens = tokens
+        self.quantize = quantize or fp8_group_quant
         self.inputs = moe_inputs(tokens, EXPERTS, HIDDEN, INTER, TOP_K, DTYPE, DEVICE)
         x, w13, w2, weights, ids, shared_w13, shared_w2 = self.inputs
         self.int8 = [quant.quantize_int8_rows(w) for w in (w13, w2, shared_w13, shared_w2)]
@@ -285,34 +306,55 @@ class MoeCase:
         """Bytes of the bf16 experts hit."""
         return self.hit * nbytes(self.inputs.w13[0], self.inputs.w2[0])
 
-    def sorted_gemm(self, gated: bool, a: torch.Tensor, sorts: dict, config):
-        """One GEMM of the int8 sorted path alone (``triton_moe._launch``, as
+    def sorted_inputs(self, a: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sorted-path GEMM's input ``a [rows, K]`` as ``fused_moe_8bit`` passes it, with
+        its scales: int8 ``(a, a)`` (no activation scales: ``a`` stands in for their
+        pointer), fp8 ``(q [rows, K] e4m3, scale [rows, K / 128])``."""
+        return (a, a) if SCALE_BLOCKS[fmt] is None else self.quantize(a, FP8_BLOCK[1])
+
+    def sorted_gemm(self, fmt: str, gated: bool, a: tuple[torch.Tensor, torch.Tensor],
+                    sorts: dict, config):
+        """One GEMM of the ``fmt`` sorted path alone (``triton_moe._launch``, as
         ``fused_moe_8bit`` launches it) at ``config``, a ``SortedGemmConfig``, on the slots
         sorted at its ``BLOCK_M`` (``sorts``: ``BLOCK_M`` -> ``moe_align_triton``'s): gate-up
-        (``gated``, ``a = x [T, H]``) -> ``hidden [S, I]``, or down (``a = hidden``) -> ``[S,
-        H]``, as a call."""
+        (``gated``, ``a`` from ``x [T, H]``) -> ``hidden [S, I]``, or down (``a`` from
+        ``hidden``) -> ``[S, H]``, as a call; ``a`` as ``sorted_inputs`` gives it."""
         from qllm_kernels_int8.triton_moe import _launch
 
         weights = self.inputs.topk_weights
-        w13, w2, shared_w13, shared_w2 = self.int8
+        w13, w2, shared_w13, shared_w2 = getattr(self, fmt)
         weight, shared, width = (w13, shared_w13, INTER) if gated else (w2, shared_w2, HIDDEN)
 
         def call() -> torch.Tensor:
-            out = a.new_empty(self.tokens * SLOTS_PER_TOKEN, width)
-            # no activation scales (int8): ``a`` stands in for their pointer; gate-up has no
-            # routing weights: ``out`` stands in
-            return _launch(a, a, *weight, *shared, out, out if gated else weights,
+            out = self.inputs.x.new_empty(self.tokens * SLOTS_PER_TOKEN, width)
+            # gate-up has no routing weights: ``out`` stands in
+            return _launch(*a, *weight, *shared, out, out if gated else weights,
                            sorts[config.BLOCK_M], config.BLOCK_M, config.tiles,
                            slots_per_a_row=SLOTS_PER_TOKEN if gated else 1, gated=gated,
-                           block=None)
+                           block=SCALE_BLOCKS[fmt])
 
         return call
 
-    def impls(self) -> list[tuple[str, object, int, torch.Tensor]]:
+    def sorted_op(self, fmt: str, config: MoeConfig):
+        """The whole ``fmt`` op (``fused_moe_8bit``) at ``config``, as a call."""
         from qllm_kernels_int8.triton_moe import fused_moe_8bit
-        from qllm_kernels_moe.triton_moe import fused_moe_triton
 
         x, _, _, weights, ids, _, _ = self.inputs
+        w13, w2, shared_w13, shared_w2 = getattr(self, fmt)
+        return functools.partial(fused_moe_8bit, x, w13, w2, weights, ids, shared_w13,
+                                 shared_w2, block=SCALE_BLOCKS[fmt], config=config,
+                                 quantize=self.quantize)
+
+    def sorted_reference(self, fmt: str) -> torch.Tensor:
+        """What the ``fmt`` sorted path computes, ``[T, k, H]``: the W8A16 reference, or
+        the W8A8 one (activations quantized per token and group, as the op does)."""
+        if SCALE_BLOCKS[fmt] is None:
+            return quant.fused_moe_w8a16(*self.args(self.int8))
+        return quant.fused_moe_fp8_w8a8_reference(*self.args(self.fp8), *FP8_BLOCK)
+
+    def impls(self) -> list[tuple[str, object, int, torch.Tensor]]:
+        from qllm_kernels_moe.triton_moe import fused_moe_triton
+
         int8_args, fp8_args = self.args(self.int8), (*self.args(self.fp8), *FP8_BLOCK)
         int8_ref = quant.fused_moe_w8a16(*int8_args)
         sorted_config = table_config(8)
@@ -322,9 +364,7 @@ class MoeCase:
              torch_fused_moe(*self.inputs)),
             ("int8_op", functools.partial(ops.fused_moe_w8a16, *int8_args), int8_bytes,
              int8_ref),
-            ("int8_sorted", functools.partial(
-                fused_moe_8bit, x, self.int8[0], self.int8[1], weights, ids, self.int8[2],
-                self.int8[3], config=sorted_config), int8_bytes, int8_ref),
+            ("int8_sorted", self.sorted_op("int8", sorted_config), int8_bytes, int8_ref),
             ("fp8_op", functools.partial(ops.fused_moe_fp8_block, *fp8_args),
              self.expert_bytes(self.fp8), quant.fused_moe_fp8_block(*fp8_args)),
         ]
@@ -374,12 +414,23 @@ class SortedGemmConfig:
     tiles: GemmConfig
 
 
-def table_config(tokens: int) -> MoeConfig:
-    """The int8 op's config at ``tokens`` tokens (``moe_config``): the sorted path's where
-    ``BLOCK_M`` > 1, else the slot path's."""
+def table_config(tokens: int, fmt: str = "int8") -> MoeConfig:
+    """The ``fmt`` op's config at ``tokens`` tokens (``moe_config``: int8 from the plugin's
+    table, fp8 from kernels_moe's bf16 one): the sorted path's where ``BLOCK_M`` > 1, else
+    the slot path's."""
     from qllm_kernels_int8.triton_moe import moe_config
 
-    return moe_config(tokens, EXPERTS, 2 * INTER, HIDDEN, SLOTS_PER_TOKEN)
+    return moe_config(tokens, EXPERTS, 2 * INTER, HIDDEN, SLOTS_PER_TOKEN, SCALE_BLOCKS[fmt])
+
+
+def rule_gemms(rule: MoeConfig, fmt: str) -> dict[str, SortedGemmConfig]:
+    """Each GEMM's config (``gate_up``, ``down``) under ``rule`` as the ``fmt`` op runs it
+    (fp8: ``BLOCK_K`` fitted to the scale block, ``triton_moe._fit``)."""
+    from qllm_kernels_int8.triton_moe import _fit
+
+    block = SCALE_BLOCKS[fmt]
+    return {"gate_up": SortedGemmConfig(rule.BLOCK_M, _fit(rule.up, block)),
+            "down": SortedGemmConfig(rule.BLOCK_M, _fit(rule.down, block))}
 
 
 @functools.cache
@@ -392,57 +443,71 @@ def bench_moe():
     return module
 
 
-def sorted_space(tokens: int, grid: str | None = None, block_ms: list[int] | None = None
-                 ) -> tuple[str, dict[str, list[SortedGemmConfig]], MoeConfig]:
-    """The sorted sweep at ``tokens`` tokens: its grid's name, each GEMM's candidates
-    (``gate_up``, ``down``: ``bench_moe.gemm_candidates`` per ``BLOCK_M``, the rule's tiles
-    added) and the rule (``table_config``). Defaults in the module docstring."""
+def sorted_space(tokens: int, grid: str | None = None, block_ms: list[int] | None = None,
+                 fmt: str = "int8") -> tuple[str, dict[str, list[SortedGemmConfig]], MoeConfig]:
+    """The ``fmt`` sorted sweep at ``tokens`` tokens: its grid's name, each GEMM's candidates
+    (``gate_up``, ``down``: ``bench_moe.gemm_candidates`` per ``BLOCK_M``, fp8's those whose
+    ``BLOCK_K`` lies within a scale block, the rule's tiles added) and the rule
+    (``table_config``). Defaults in the module docstring."""
+    from qllm_kernels_int8.triton_moe import _fit
+
     moe = bench_moe()
-    rule = table_config(tokens)
+    rule, block = table_config(tokens, fmt), SCALE_BLOCKS[fmt]
     routed_per_expert = tokens * TOP_K / EXPERTS  # slots of an average routed expert
-    grid = grid or ("decode" if tokens * TOP_K <= 32 * EXPERTS else "quick")
+    decode = tokens * TOP_K <= 32 * EXPERTS  # the experts stream their weights
+    grid = grid or ("decode" if decode else "quick")
     if block_ms is None:
         taller = [m for m in moe.BLOCK_MS if m > rule.BLOCK_M][:1]
         block_ms = [rule.BLOCK_M] + (taller if routed_per_expert > rule.BLOCK_M else [])
+        if block is not None:
+            block_ms = sorted({*block_ms, *FP8_BLOCK_MS[decode]})
     candidates = {}
-    for name, gated, rule_tiles in (("gate_up", True, rule.up), ("down", False, rule.down)):
+    for name, rule_gemm in rule_gemms(rule, fmt).items():
         found = [SortedGemmConfig(m, tiles) for m in block_ms
-                 for tiles in moe.gemm_candidates(m, gated, routed_per_expert > m,
-                                                  moe.GRIDS[grid])]
-        if SortedGemmConfig(rule.BLOCK_M, rule_tiles) not in found:
-            found.append(SortedGemmConfig(rule.BLOCK_M, rule_tiles))
+                 for tiles in moe.gemm_candidates(m, name == "gate_up", routed_per_expert > m,
+                                                  moe.GRIDS[grid])
+                 if _fit(tiles, block) == tiles]
+        if rule_gemm not in found:
+            found.append(rule_gemm)
         candidates[name] = found
     return grid, candidates, rule
 
 
-def sweep_sorted(tokens: int, grid: str | None = None, block_ms: list[int] | None = None
-                 ) -> list[dict]:
-    """Every candidate of each sorted-path GEMM alone, then the whole op at the best sum
-    (align + gate-up + down) per ``BLOCK_M``, against the rule and bf16."""
-    from qllm_kernels_int8.triton_moe import fused_moe_8bit
+def sorted_estimate_s(candidates: dict[str, list[SortedGemmConfig]]) -> float:
+    """The sorted sweep's seconds on an H200 over ``candidates`` (``sorted_space``'s), at
+    ``SWEEP_COMPILE_S`` + ``SWEEP_TIMING_S`` per candidate: ``--dry-run``'s ``est_s``."""
+    return sum(map(len, candidates.values())) * (SWEEP_COMPILE_S + SWEEP_TIMING_S)
+
+
+def sweep_sorted(tokens: int, grid: str | None = None, block_ms: list[int] | None = None,
+                 fmt: str = "int8") -> list[dict]:
+    """Every candidate of each ``fmt`` sorted-path GEMM alone, then the whole op at the best
+    sum (align + gate-up + down) per ``BLOCK_M``, against the rule and bf16 (fp8: and the
+    int8 op)."""
     from qllm_kernels_moe.triton_align import moe_align_triton
     from qllm_kernels_moe.triton_moe import fused_moe_triton
 
     case = MoeCase(tokens)
-    grid, candidates, rule = sorted_space(tokens, grid, block_ms)
-    x, _, _, weights, ids, _, _ = case.inputs
-    w13, w2, shared_w13, shared_w2 = case.int8
+    grid, candidates, rule = sorted_space(tokens, grid, block_ms, fmt)
+    ids, parts = case.inputs.topk_ids, getattr(case, fmt)
     sorts = {config.BLOCK_M: moe_align_triton(ids, EXPERTS + 1, config.BLOCK_M)
              for found in candidates.values() for config in found}
-    rules = {"gate_up": SortedGemmConfig(rule.BLOCK_M, rule.up),
-             "down": SortedGemmConfig(rule.BLOCK_M, rule.down)}
-    hidden = case.sorted_gemm(True, x, sorts, rules["gate_up"])()  # down's input
-    gemms = {"gate_up": (True, x, INTER, HIDDEN, w13), "down": (False, hidden, HIDDEN, INTER, w2)}
+    rules = rule_gemms(rule, fmt)
+    x_in = case.sorted_inputs(case.inputs.x, fmt)
+    hidden = case.sorted_gemm(fmt, True, x_in, sorts, rules["gate_up"])()  # down's input
+    gemms = {"gate_up": (True, x_in, INTER, HIDDEN, parts[0]),
+             "down": (False, case.sorted_inputs(hidden, fmt), HIDDEN, INTER, parts[1])}
     found, fastest = [], {}  # fastest: GEMM -> BLOCK_M -> (ms, tiles)
     for name, (gated, a, n, k, weight) in gemms.items():
         timed, failed = timed_configs(candidates[name],
-                                      functools.partial(case.sorted_gemm, gated, a, sorts))
+                                      functools.partial(case.sorted_gemm, fmt, gated, a, sorts))
         fastest[name] = {}
         for ms, config in timed:  # fastest first
             fastest[name].setdefault(config.BLOCK_M, (ms, config.tiles))
         num_bytes = case.hit * nbytes(weight[0][0], weight[1][0])  # the experts hit
         found.append(sweep_report(timed, failed, rules[name], num_bytes,
-                                  shape=f"moe_sorted_{name}", rows=tokens, n=n, k=k, grid=grid))
+                                  shape=f"moe_sorted_{name}", format=fmt, rows=tokens, n=n,
+                                  k=k, grid=grid))
     sums = {}  # BLOCK_M -> ms of the align and each GEMM's best
     for block_m in fastest["gate_up"].keys() & fastest["down"].keys():
         align_ms = time_ms(functools.partial(moe_align_triton, ids, EXPERTS + 1, block_m),
@@ -451,23 +516,22 @@ def sweep_sorted(tokens: int, grid: str | None = None, block_ms: list[int] | Non
     block_m = min(sums, key=sums.get)
     best = MoeConfig(block_m, fastest["gate_up"][block_m][1], fastest["down"][block_m][1])
 
-    def int8_op(config: MoeConfig):
-        return functools.partial(fused_moe_8bit, x, w13, w2, weights, ids, shared_w13,
-                                 shared_w2, config=config)
-
     def timing(ms: float, num_bytes: int, prefix: str = "") -> dict:
         return {f"{prefix}us": round(1e3 * ms, 2), f"{prefix}gbps": round(gbps(num_bytes, ms), 1)}
 
-    int8_bytes = case.expert_bytes(case.int8)
-    best_ms, rule_ms = (time_ms(int8_op(config), graph=True) for config in (best, rule))
+    op_bytes = case.expert_bytes(parts)
+    best_ms, rule_ms = (time_ms(case.sorted_op(fmt, config), graph=True)
+                        for config in (best, rule))
     bf16_ms = time_ms(functools.partial(fused_moe_triton, *case.inputs), graph=True)
-    ref = quant.fused_moe_w8a16(*case.args(case.int8))
+    int8_op = {} if fmt == "int8" else timing(
+        time_ms(functools.partial(ops.fused_moe_w8a16, *case.args(case.int8)), graph=True),
+        case.expert_bytes(case.int8), "int8_op_")
     found.append(dict(
-        shape="moe_sorted", rows=tokens, grid=grid, best=best.to_json(),
-        **timing(best_ms, int8_bytes), rule=rule.to_json(), **timing(rule_ms, int8_bytes, "rule_"),
-        **timing(bf16_ms, case.bf16_bytes, "bf16_"),
+        shape="moe_sorted", format=fmt, rows=tokens, grid=grid, best=best.to_json(),
+        **timing(best_ms, op_bytes), rule=rule.to_json(), **timing(rule_ms, op_bytes, "rule_"),
+        **timing(bf16_ms, case.bf16_bytes, "bf16_"), **int8_op,
         sums_us={m: round(1e3 * ms, 2) for m, ms in sorted(sums.items())},
-        max_err=max_err(int8_op(best)(), ref)))
+        max_err=max_err(case.sorted_op(fmt, best)(), case.sorted_reference(fmt))))
     return found
 
 
@@ -506,15 +570,13 @@ def plan(args) -> list[dict]:
             cases.append(case)
     for tokens in args.moe_tokens:
         case = dict(shape="moe", rows=tokens, slots=tokens * SLOTS_PER_TOKEN)
-        if args.sweep and table_config(tokens).BLOCK_M > 1:
-            grid, candidates, rule = sorted_space(tokens, args.grid, args.block_m)
-            counts = [len(found) for found in candidates.values()]
-            case.update(shape="moe_sorted", grid=grid,
+        if args.sweep and table_config(tokens, args.format).BLOCK_M > 1:
+            grid, candidates, rule = sorted_space(tokens, args.grid, args.block_m, args.format)
+            case.update(shape="moe_sorted", format=args.format, grid=grid,
                         block_m=sorted({c.BLOCK_M for found in candidates.values()
                                         for c in found}),
-                        candidates=counts, est_s=round(sum(counts) * (SWEEP_COMPILE_S
-                                                                      + SWEEP_TIMING_S)),
-                        rule=rule.to_json())
+                        candidates=[len(found) for found in candidates.values()],
+                        est_s=round(sorted_estimate_s(candidates)), rule=rule.to_json())
         elif args.sweep:
             rule = gemv_configs.slot_moe_config(tokens * SLOTS_PER_TOKEN, INTER, HIDDEN)
             case.update(candidates=[len(gemv_configs.candidates(1, INTER, HIDDEN, 2)),
@@ -544,6 +606,8 @@ def main() -> None:
                         help="the sorted MoE sweep's BLOCK_M values (16, 32, 64, 128); "
                              "default: the table's and, where experts hold more slots, the "
                              "next")
+    parser.add_argument("--format", choices=list(SCALE_BLOCKS), default="int8",
+                        help="the sorted MoE sweep's weight format (fp8: that sweep alone)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the cases as JSON lines; needs no GPU")
     args = parser.parse_args()
@@ -559,6 +623,10 @@ def main() -> None:
     sorted_block_ms = [m for m in bench_moe().BLOCK_MS if m > 1] if args.block_m else []
     if set(args.block_m or ()) - set(sorted_block_ms):
         parser.error(f"--block-m: of {sorted_block_ms}")
+    if args.format != "int8" and (not args.sweep or args.rows or any(
+            table_config(tokens, args.format).BLOCK_M == 1 for tokens in args.moe_tokens)):
+        parser.error(f"--format {args.format}: the sorted MoE sweep alone (--sweep --parts "
+                     f"moe, --moe-tokens where the op sorts the slots: 5 and more)")
     if args.dry_run:
         for case in plan(args):
             print(json.dumps(case))
@@ -568,8 +636,8 @@ def main() -> None:
             for name in args.shapes:
                 print(json.dumps(sweep_dense(name, rows)), flush=True)
         for tokens in args.moe_tokens:
-            lines = (sweep_moe(tokens) if table_config(tokens).BLOCK_M == 1
-                     else sweep_sorted(tokens, args.grid, args.block_m))
+            lines = (sweep_moe(tokens) if table_config(tokens, args.format).BLOCK_M == 1
+                     else sweep_sorted(tokens, args.grid, args.block_m, args.format))
             for line in lines:
                 print(json.dumps(line), flush=True)
         return

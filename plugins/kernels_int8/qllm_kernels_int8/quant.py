@@ -190,17 +190,18 @@ def fused_moe_fp8_w8a8_reference(x: torch.Tensor, w13, w13_scale, w2, w2_scale,
                                  block_n: int, block_k: int) -> torch.Tensor:
     """What the Triton W8A8 MoE computes, in fp32: ``x`` quantized per token and group of
     ``block_k``, each slot's ``silu(gate) * up`` rounded to ``x.dtype`` and quantized the same
-    way before the down projection; outputs rounded to ``x.dtype``."""
-    block, num_experts, top_k = (block_n, block_k), w13.shape[0], topk_ids.shape[1]
-    x_deq = dequantize_fp8_blocks(*quantize_fp8_groups(x, block_k), (1, block_k))
-    out = torch.empty(*topk_ids.shape, x.shape[1], device=x.device)
-    for slot, e in enumerate(topk_ids.flatten().tolist()):
-        t, j = divmod(slot, top_k)
+    way before the down projection; outputs rounded to ``x.dtype``. Every step is per row, so
+    each expert hit runs once on the rows of its slots."""
+    block, num_experts = (block_n, block_k), w13.shape[0]
+    x_deq = dequantize_fp8_blocks(*quantize_fp8_groups(x, block_k), (1, block_k))  # [T, H]
+    out = torch.empty(*topk_ids.shape, x.shape[1], device=x.device)  # [T, k, H]
+    for e in topk_ids.unique().tolist():
+        tokens, j = (topk_ids == e).nonzero(as_tuple=True)  # the slots routed to ``e``
         gate_up = (shared_w13, shared_w13_scale) if e == num_experts else (w13[e], w13_scale[e])
         down = (shared_w2, shared_w2_scale) if e == num_experts else (w2[e], w2_scale[e])
-        gate, up = (x_deq[t] @ dequantize_fp8_blocks(*gate_up, block).T).chunk(2)
-        hidden = (F.silu(gate) * up).to(x.dtype)[None]  # [1, I]
+        gate, up = (x_deq[tokens] @ dequantize_fp8_blocks(*gate_up, block).T).chunk(2, dim=-1)
+        hidden = (F.silu(gate) * up).to(x.dtype)  # [n, I]
         hidden = dequantize_fp8_blocks(*quantize_fp8_groups(hidden, block_k), (1, block_k))
-        out[t, j] = (hidden @ dequantize_fp8_blocks(*down, block).T)[0] \
-            * topk_weights[t, j].float()
+        out[tokens, j] = (hidden @ dequantize_fp8_blocks(*down, block).T) \
+            * topk_weights[tokens, j].float()[:, None]
     return out.to(x.dtype)
