@@ -9,6 +9,8 @@
   interpreter run, traced-graph inspection); ``qllm.testing.triton_launches`` compiles the
   interpreted launches for sm_90.
 - ``qllm.testing.benchmarking``: the kernel micro-benchmarks' timing and report.
+- ``qllm.testing.sm90``: kernels compiled for sm_90 without a GPU and their SASS;
+  ``qllm.testing.pdl``: the programmatic-dependent-launch checks built on it.
 
 The first three are re-exported here.
 """

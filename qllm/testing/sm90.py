@@ -7,7 +7,8 @@ kernel differently). ``qllm.testing.triton_launches`` compiles the interpreter t
 from their argument types alone; a launch on a GPU also specializes pointers (16-byte aligned),
 integers divisible by 16 and integers equal to 1, which decides the loads' vector widths.
 ``compile_for_sm90`` applies Triton's own specialization to the argument values (tensors on the
-``meta`` device are enough).
+``meta`` device are enough); ``captured_launches`` gives the launches an op's launcher makes,
+with those values, without running them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any, Callable, NamedTuple
+from unittest import mock
+
+import torch
 
 # one SASS instruction of ``cuobjdump -sass``: address, predicate, opcode, operands
 SASS_INSTRUCTION = re.compile(
@@ -71,6 +76,41 @@ def compile_for_sm90(kernel, args: dict, options: dict):
             attrs[(index,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs),
                           target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def on_meta(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` on the ``meta`` device, each with its shape, strides and dtype: what a launch
+    specializes on, without data."""
+    return tuple(torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                     device="meta") for tensor in tensors)
+
+
+class KernelLaunch(NamedTuple):
+    """One Triton kernel launch: the ``triton.jit`` function, every parameter by name, and the
+    launch options (``num_warps``, ``launch_pdl``...): ``compile_for_sm90``'s arguments."""
+
+    kernel: Any
+    args: dict
+    options: dict
+
+
+def captured_launches(call: Callable[[], object]) -> list[KernelLaunch]:
+    """The Triton kernel launches ``call()`` makes, in order, captured instead of run: an op's
+    launcher called on ``meta`` tensors gives its kernels as it would launch them."""
+    from triton.runtime.jit import JITFunction
+
+    launches = []
+
+    def capture(kernel, *args, grid, warmup, **kwargs):
+        options = {name: value for name, value in kwargs.items() if name not in kernel.arg_names}
+        bound = inspect.signature(kernel.fn).bind(
+            *args, **{name: value for name, value in kwargs.items() if name not in options})
+        bound.apply_defaults()
+        launches.append(KernelLaunch(kernel, dict(bound.arguments), options))
+
+    with mock.patch.object(JITFunction, "run", capture):
+        call()
+    return launches
 
 
 def cuobjdump(cubin: bytes, *flags: str) -> str:

@@ -32,10 +32,11 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from qllm.plugins.pdl import pdl_available
 from qllm.testing.benchmarking import print_table, time_ms
 from qllm_kernels_linear.testing import (chain_layers, gemv_chain, gemv_only_chain,
                                          linear_inputs)
-from qllm_kernels_linear.triton_gemv import gemv, pdl_available
+from qllm_kernels_linear.triton_gemv import gemv
 
 CHAINS = {"decode": (gemv_chain, ("in_proj", "out_proj", "input_proj")),
           "gemv": (gemv_only_chain, ("in_proj", "out_proj"))}  # chain, its GEMVs per layer

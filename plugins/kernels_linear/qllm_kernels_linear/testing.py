@@ -1,7 +1,6 @@
 """The projection shapes the GEMV is for, random inputs of the GEMV and of the residual add +
-RMSNorm for the parity tests and the benchmarks, a chain of GEMVs like one decode step's (the
-programmatic-dependent-launch test and benchmark), and the GEMV compiled for sm_90 without a
-GPU, as launched (its SASS tests)."""
+RMSNorm for the parity tests and the benchmarks, and a chain of GEMVs like one decode step's
+(the programmatic-dependent-launch test and benchmark)."""
 
 from __future__ import annotations
 
@@ -98,23 +97,6 @@ def gemv_only_chain(hidden: torch.Tensor, layers: list[ChainLayer], linear) -> t
     return hidden
 
 
-def compile_gemv(m: int, n: int, k: int, pdl: bool, bias: bool = False,
-                 dtype: torch.dtype = torch.bfloat16):
-    """The GEMV's kernel for ``x [m, k]`` through ``weight [n, k]`` (contiguous, as in the
-    models) at the rule's config, with or without PDL, compiled for sm_90 as ``gemv`` launches
-    it (``triton_gemv.gemv_launch``) by ``qllm.testing.sm90.compile_for_sm90``."""
-    from qllm.testing.sm90 import compile_for_sm90
-    from qllm_kernels_linear.configs import default_config
-    from qllm_kernels_linear.triton_gemv import _gemv_kernel, gemv_launch
-
-    def meta(*shape: int) -> torch.Tensor:
-        return torch.empty(*shape, dtype=dtype, device="meta")
-
-    _, args, options = gemv_launch(meta(m, k), meta(n, k), meta(n) if bias else None,
-                                   meta(m, n), default_config(m, n, k), pdl)
-    return compile_for_sm90(_gemv_kernel, args, options)
-
-
 def norm_inputs(rows: int, dim: int, dtype: torch.dtype, device: str | torch.device,
                 zero_centered: bool, parts: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -131,46 +113,3 @@ def norm_inputs(rows: int, dim: int, dtype: torch.dtype, device: str | torch.dev
     weight = (torch.randn(dim, generator=gen, device=device) * 0.1
               + (0.0 if zero_centered else 1.0)).to(dtype)
     return x, residual, weight
-
-
-# SASS opcodes (before the first ``.``) that reach global memory, and that branch or end a thread
-GLOBAL_LOADS = {"LDG", "LD", "LDGSTS", "UTMALDG", "UBLKCP"}
-GLOBAL_STORES = {"STG", "ST", "RED", "REDG", "ATOM", "ATOMG", "UTMASTG", "UTMAREDG", "UBLKRED"}
-CONTROL = {"BRA", "BRX", "JMP", "JMX", "CALL", "RET", "EXIT", "BSSY", "BREAK", "KILL"}
-WAIT, LAUNCH_DEPENDENTS = "ACQBULK", "PREEXIT"  # griddepcontrol.wait, .launch_dependents
-
-
-def gdc_summary(compiled) -> dict:
-    """Where the GEMV's grid-dependency-control instructions lie in its SASS (a kernel compiled
-    by ``compile_gemv``): how many ``griddepcontrol.wait`` (``ACQBULK``) and
-    ``.launch_dependents`` (``PREEXIT``) it holds; whether the first wait is unpredicated, and
-    whether the launch of dependents comes before it; and, before that wait, the weight loads
-    (``LDG`` with the weight's ``evict_first`` hint, ``.EF``), any other global load (``x``
-    carries ``evict_last``, ``.EL``; the bias none), global store or atomic, and any branch or
-    exit (with none, every thread of every program runs the wait); after it, the loads of
-    ``x``; and the bytes it spills."""
-    from qllm.testing.sm90 import SASS_INSTRUCTION, cuobjdump, resource_usage
-
-    found = [(predicate.strip(), opcode) for _, predicate, opcode, _ in
-             SASS_INSTRUCTION.findall(cuobjdump(compiled.asm["cubin"], "-sass"))]
-    opcodes = [opcode for _, opcode in found]
-    waits = [i for i, opcode in enumerate(opcodes) if opcode == WAIT]
-    launches = [i for i, opcode in enumerate(opcodes) if opcode == LAUNCH_DEPENDENTS]
-    first = waits[0] if waits else len(found)
-    before, after = opcodes[:first], opcodes[first + 1:]
-
-    def base(opcode: str) -> str:
-        return opcode.split(".")[0]
-
-    weight_loads = [op for op in before if base(op) == "LDG" and "EF" in op.split(".")]
-    return dict(
-        spill_bytes=resource_usage(compiled)["spill_bytes"],
-        waits=len(waits), launch_dependents=len(launches),
-        wait_unpredicated=bool(waits) and not found[first][0],
-        launch_dependents_first=bool(launches) and launches[0] < first,
-        weight_loads_before_wait=len(weight_loads),
-        other_loads_before_wait=[op for op in before
-                                 if base(op) in GLOBAL_LOADS and op not in weight_loads],
-        stores_before_wait=[op for op in before if base(op) in GLOBAL_STORES],
-        control_before_wait=[op for op in before if base(op) in CONTROL],
-        x_loads_after_wait=sum(base(op) == "LDG" and "EL" in op.split(".") for op in after))

@@ -12,20 +12,23 @@ see ``configs``, ``x``'s own load layout is the product's too). Bias is added in
 epilogue; the output is rounded once to ``x.dtype``. The launch depends on shapes only (no
 host sync).
 
-Programmatic dependent launch (PDL), opt-in: ``QLLM_PDL=1`` in the environment, read once at
-import (``PDL``), launches the kernel with ``launch_pdl=True`` on Hopper and later GPUs, so its
-programs may start while the previous kernel on the stream is still finishing (in a CUDA graph,
-a programmatic edge). With ``USE_PDL`` each program first lets the next PDL-launched kernel
-launch (``gdc_launch_dependents``), issues the loads of its first ``BLOCK_K`` weight columns
-(parameters: no kernel of a decode step writes them), then waits for the previous kernel to
-complete and its writes to be visible (``gdc_wait``) before it loads ``x`` (and the bias) or
-stores anything: the first loop step is peeled for that, the loop runs the rest. At one row
-``BLOCK_K`` covers all of ``K = 2048`` (the GDN ``in_proj``, ``qkv_proj``, the MoE
-``input_proj``), half of ``K = 4096`` (``out_proj`` / ``o_proj``). The wait sits on the one
-path every thread runs (no branch before it), as PDL requires of every PDL-launched kernel: the
-next one relies on it. Without ``USE_PDL`` the constexpr prunes all of it and the kernel
-compiles to the same code as before the switch existed. Not measured on a GPU yet
-(``benchmarks/bench_pdl.py``).
+Programmatic dependent launch (PDL), opt-in: ``QLLM_PDL=1``, the switch every plugin's
+decode-path kernels share (``qllm.plugins.pdl``), launches the kernel with ``launch_pdl=True``
+on Hopper and later GPUs, so its programs may start while the previous kernel on the stream is
+still finishing (in a CUDA graph, a programmatic edge). Where the other kernels enter through
+``pdl_enter`` (launch dependents, then wait, before any memory access), the GEMV, with
+``USE_PDL``, first lets the next PDL-launched kernel launch (``gdc_launch_dependents``), issues
+the loads of its first ``BLOCK_K`` weight columns (parameters: no kernel of a decode step writes
+them), then waits for the previous kernel to complete and its writes to be visible
+(``gdc_wait``) before it loads ``x`` (and the bias) or stores anything: the first loop step is
+peeled for that, the loop runs the rest. At one row ``BLOCK_K`` covers all of ``K = 2048`` (the
+GDN ``in_proj``, ``qkv_proj``, the MoE ``input_proj``), half of ``K = 4096`` (``out_proj`` /
+``o_proj``). The wait sits on the one path every thread runs (no branch before it), as PDL
+requires of every PDL-launched kernel: the next one relies on it. Without ``USE_PDL`` the
+constexpr prunes all of it and the kernel compiles to the same code as before the switch
+existed. On an H200, in a CUDA graph of 80 GEMVs each fed by the one before, PDL saved 0.6 us
+per kernel boundary; between kernels launched without it, it cost 1.5%
+(``benchmarks/bench_pdl.py``, ``benchmarks/RESULTS.md``).
 
 The contract PDL adds: the weight must not be written by work still in flight on the stream
 (model parameters loaded before decoding qualify; a test that creates a weight on the GPU and
@@ -34,44 +37,13 @@ calls at once must synchronize first, as ``testing.linear_inputs`` does).
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from qllm.plugins.pdl import launch_options, use_pdl
 from qllm_kernels_linear.configs import MAX_GEMV_ROWS, GemvConfig, block_m, default_config
-
-PDL_ENV = "QLLM_PDL"
-
-
-def pdl_switch(value: str | None) -> bool:
-    """``QLLM_PDL``'s value as the switch: ``1`` on; unset, empty or ``0`` off."""
-    if value not in (None, "", "0", "1"):
-        raise ValueError(f"{PDL_ENV}={value!r}: 1 (programmatic dependent launch) or 0")
-    return value == "1"
-
-
-# Launch the GEMV with programmatic dependent launch where the device allows it (see above).
-PDL = pdl_switch(os.environ.get(PDL_ENV))
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.cache
-def _hopper_or_later(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
-def pdl_available(device: torch.device) -> bool:
-    """Whether a kernel can be launched with PDL on ``device``: a CUDA device of compute
-    capability 9.0 or later (``griddepcontrol``), Triton compiling rather than interpreting
-    (the interpreter runs no inline PTX)."""
-    return (device.type == "cuda" and not _INTERPRETING and torch.cuda.is_available()
-            and _hopper_or_later(device.index if device.index is not None
-                                 else torch.cuda.current_device()))
-
 
 # N only bounds the rows, so a new N (divisible by 16 or not) needs no new compile.
 @triton.jit(do_not_specialize=["N"])
@@ -118,17 +90,15 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 out: torch.Tensor, config: GemvConfig, pdl: bool) -> tuple[tuple, dict, dict]:
     """The kernel's launch for ``out [M, N] = x [M, K] @ weight [N, K]^T (+ bias)``: its grid,
     its arguments by name and its launch options (``launch_pdl`` only with ``pdl``, so a
-    launch without PDL is the one before the switch); ``testing.compile_gemv`` compiles the
-    same for sm_90."""
+    launch without PDL is the one before the switch)."""
     (m, k), n = x.shape, weight.shape[0]
     args = dict(x_ptr=x, w_ptr=weight, bias_ptr=bias, out_ptr=out, M=m, N=n, K=k,
                 stride_xm=x.stride(0), stride_xk=x.stride(1), stride_wn=weight.stride(0),
                 stride_b=0 if bias is None else bias.stride(0), stride_om=out.stride(0),
                 HAS_BIAS=bias is not None, BLOCK_M=block_m(m), BLOCK_N=config.BLOCK_N,
                 BLOCK_K=config.BLOCK_K, NUM_STAGES=config.num_stages, USE_PDL=pdl)
-    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
-    if pdl:
-        options["launch_pdl"] = True
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages,
+                   **launch_options(pdl))
     return (triton.cdiv(n, config.BLOCK_N),), args, options
 
 
@@ -137,10 +107,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """``x [M, K]`` (any strides) @ ``weight [N, K]^T`` (rows contiguous: ``stride(1) == 1``)
     plus ``bias [N]`` -> ``out [M, N]`` in ``x.dtype``, for ``1 <= M <= MAX_GEMV_ROWS``;
     ``config`` overrides ``configs.default_config``. Inputs share one float dtype. ``pdl``
-    (default: the ``QLLM_PDL`` switch, ``PDL``) launches with programmatic dependent launch
-    where ``pdl_available`` (elsewhere, e.g. on the CPU under the interpreter, it is off); the
-    weight must then not be written by work still in flight on the stream (module
-    docstring)."""
+    (default: the ``QLLM_PDL`` switch, ``qllm.plugins.pdl.PDL``) launches with programmatic
+    dependent launch where ``pdl_available`` (elsewhere, e.g. on the CPU under the interpreter,
+    it is off); the weight must then not be written by work still in flight on the stream
+    (module docstring)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv: x [M, K] and weight [N, K] expected, got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -152,7 +122,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"gemv: bias of shape {tuple(bias.shape)} for {n} output features")
     config = config or default_config(m, n, k)
-    pdl = (PDL if pdl is None else pdl) and pdl_available(x.device)
+    pdl = use_pdl(x.device, pdl)
     out = x.new_empty(m, n)
     grid, args, options = gemv_launch(x, weight, bias, out, config, pdl)
     _gemv_kernel[grid](**args, **options)

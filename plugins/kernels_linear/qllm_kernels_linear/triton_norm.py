@@ -6,6 +6,9 @@ It takes the place of the kernel Inductor fuses from the same add and norm under
 ``torch.compile`` (``benchmarks/bench_norms.py`` times both). The casts follow the reference:
 the add in fp32 rounded once, ``x_hat`` in fp32, a plain weight multiplying ``x_hat`` rounded
 to the input dtype, a zero-centred one multiplying in fp32.
+
+With ``QLLM_PDL=1`` it is launched with programmatic dependent launch and waits for the
+previous kernel at entry (``qllm.plugins.pdl.pdl_enter``).
 """
 
 from __future__ import annotations
@@ -14,13 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
+from qllm.plugins.pdl import pdl_arguments, pdl_enter
+
 NUM_WARPS = 4
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, eps,
                          stride_x, stride_x_part, stride_residual, PARTS: tl.constexpr,
-                         D: tl.constexpr, BLOCK_D: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)  # x is the previous kernel's output
     row = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)  # [D]
     mask = dims < D
@@ -65,5 +72,5 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
             partials, residual, weight, out, summed, eps, partials.stride(0),
             partials.stride(1), residual.stride(0), PARTS=parts, D=dim,
             BLOCK_D=triton.next_power_of_2(dim), ZERO_CENTERED=zero_centered,
-            num_warps=NUM_WARPS)
+            num_warps=NUM_WARPS, **pdl_arguments(residual.device))
     return out, summed

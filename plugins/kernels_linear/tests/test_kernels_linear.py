@@ -9,12 +9,14 @@ rows, ``opcheck``).
   batched ``x``; forced configs at the corners of the sweep's grid; CUDA-graph replay;
   ``torch.compile(fullgraph=True, mode="reduce-overhead")`` against eager; ``opcheck``; with
   programmatic dependent launch (``QLLM_PDL``, the ``pdl`` tests), the same bits as without it
-  at those shapes, and through a CUDA graph of a decode-like GEMV chain replayed many times.
+  at those shapes, through a CUDA graph of a decode-like GEMV chain replayed many times, and
+  for the residual add + RMSNorm in a replayed CUDA graph.
 - CPU: which calls take the GEMV, the launch-config rule and the sweep's candidates, the
   launcher's input checks, the custom op's fake path under ``torch.compile(fullgraph=True)``,
-  the plugin's registration, the PDL switch and launch, the GEMV's SASS compiled for sm_90
-  with PDL (the grid-dependency-control instructions, and nothing read from ``x`` nor stored
-  before the wait) and without (none of them), and, under the Triton interpreter, parity at
+  the plugin's registration, the GEMV's PDL launch, its SASS and the add + RMSNorm's compiled
+  for sm_90 with PDL (the grid-dependency-control instructions, and nothing but the GEMV's
+  first weight tile read, nothing stored, before the wait) and without (none of them; the
+  switch itself: ``tests/test_pdl.py``), and, under the Triton interpreter, parity at
   tiny shapes (every row count, partial row and column tiles, several K steps; with the PDL
   switch on too) and ``opcheck``. The interpreter must be switched on before Triton is
   imported, so ``test_triton_interpreter`` reruns this file's ``interpreted`` tests in a
@@ -32,10 +34,12 @@ import torch.nn.functional as F
 pytest.importorskip("qllm_kernels_linear")
 
 # after the skip above, so the suite runs where the plugin is not installed
-from qllm.testing.kernels import (HAS_TRITON, INTERPRETING, called_ops, cuda,  # noqa: E402
-                                  graphs_traced_by, interpreted, interpreter_driver,
-                                  run_interpreted_tests)
+from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
+                                  interpreted, interpreter_driver, run_interpreted_tests)
 from qllm.ops import norm  # noqa: E402
+from qllm.testing.pdl import (assert_graph_bits_equal, assert_pdl_sass, force_pdl,  # noqa: E402
+                              require_pdl_gpu, sass_summaries)
+from qllm.testing.sm90 import on_meta  # noqa: E402
 from qllm.plugins.registry import PluginRegistry  # noqa: E402
 from qllm_kernels_linear import ops, plugin  # noqa: E402
 from qllm_kernels_linear.configs import (ACC_REGISTERS, MAX_GEMV_ROWS,  # noqa: E402
@@ -207,9 +211,8 @@ def _pdl_on(monkeypatch):
     """Switch PDL on as ``QLLM_PDL=1`` would (skips where the GPU cannot launch with it)."""
     from qllm_kernels_linear import triton_gemv
 
-    if not triton_gemv.pdl_available(torch.device("cuda")):
-        pytest.skip("programmatic dependent launch needs compute capability 9.0")
-    monkeypatch.setattr(triton_gemv, "PDL", True)
+    require_pdl_gpu()
+    force_pdl(monkeypatch, True)
     return triton_gemv
 
 
@@ -267,6 +270,17 @@ def test_pdl_chain_in_cuda_graph(monkeypatch):
     static_input = inputs[0].clone()
     replay, out = _graphed(lambda: gemv_chain(static_input, layers, ops.linear))
     _replays_match(replay, out, static_input, inputs, off)
+
+
+@cuda
+@pytest.mark.parametrize("parts", [0, 9], ids=["plain", "parts9"])
+def test_pdl_add_rms_norm_in_cuda_graph(parts, monkeypatch):
+    """The residual add + RMSNorm at one row of 2,048 (after a projection, and summing the
+    MoE's nine per-slot outputs) with ``QLLM_PDL`` on, eagerly and in a replayed CUDA graph:
+    the bits without PDL."""
+    require_pdl_gpu()
+    inputs = norm_inputs(1, 2048, torch.bfloat16, "cuda", True, parts)
+    assert_graph_bits_equal(lambda: ops.add_rms_norm(*inputs, 1e-6, True), monkeypatch)
 
 
 def _copied_in(x, layer, linear):
@@ -392,22 +406,10 @@ def test_plugin_registration():
         == "torch"
 
 
-def test_pdl_switch():
-    """``QLLM_PDL``: ``1`` on; unset, empty or ``0`` off; anything else refused."""
-    pytest.importorskip("triton")
-    from qllm_kernels_linear.triton_gemv import pdl_switch
-
-    assert pdl_switch("1") and not any(pdl_switch(value) for value in (None, "", "0"))
-    for value in ("true", "2", "on"):
-        with pytest.raises(ValueError, match="QLLM_PDL"):
-            pdl_switch(value)
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_pdl_launch(monkeypatch):
+def test_pdl_launch():
     """With PDL the launch sets ``launch_pdl`` and the kernel's ``USE_PDL``; without, neither
-    option exists (the launch of before the switch); on the CPU PDL stays off whatever the
-    switch says (and under the interpreter, on any device)."""
+    option exists (the launch of before the switch)."""
     from qllm_kernels_linear import triton_gemv
 
     x, weight, _ = (t.to("meta") if t is not None else t for t in linear_inputs(1, 24, 40))
@@ -419,22 +421,20 @@ def test_pdl_launch(monkeypatch):
                            launch_pdl=True)
     _, args, options = triton_gemv.gemv_launch(x, weight, None, out, config, pdl=False)
     assert args["USE_PDL"] is False and "launch_pdl" not in options
-    monkeypatch.setattr(triton_gemv, "PDL", True)
-    assert not triton_gemv.pdl_available(torch.device("cpu"))
-    if INTERPRETING:
-        assert not triton_gemv.pdl_available(torch.device("cuda"))
 
 
-def _gdc_summary(m: int, n: int, k: int, pdl: bool, bias: bool = False) -> dict:
-    """``testing.gdc_summary`` of the GEMV compiled for sm_90 by the installed Triton (skips
-    where it cannot compile offline)."""
-    from qllm.testing.sm90 import sm90_compiler_missing
-    from qllm_kernels_linear import testing
+def _gemv_sass(m: int, n: int, k: int, pdl: bool, bias: bool, monkeypatch) -> dict:
+    """``qllm.testing.pdl.gdc_summary`` of the GEMV for ``x [m, k]`` through ``weight [n, k]``
+    (contiguous, as in the models) at the rule's config, compiled for sm_90 as ``gemv``
+    launches it, with or without PDL."""
+    from qllm_kernels_linear.triton_gemv import gemv
 
-    missing = sm90_compiler_missing()
-    if missing:
-        pytest.skip(missing)
-    return testing.gdc_summary(testing.compile_gemv(m, n, k, pdl, bias))
+    def meta(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+
+    (summary,) = sass_summaries(lambda: gemv(meta(m, k), meta(n, k), meta(n) if bias else None),
+                                pdl, monkeypatch)
+    return summary
 
 
 PDL_CASES = {**{f"{name}-m1": (1, *shape) for name, shape in QWEN3_5_35B_A3B_SHAPES.items()},
@@ -442,10 +442,16 @@ PDL_CASES = {**{f"{name}-m1": (1, *shape) for name, shape in QWEN3_5_35B_A3B_SHA
              "out_proj-m2": (2, *QWEN3_5_35B_A3B_SHAPES["out_proj"])}
 
 
+def _hinted(loads: list[str], hint: str) -> list[str]:
+    """The loads among ``loads`` (SASS opcodes) carrying the eviction ``hint`` (``EF``: the
+    weight's ``evict_first``, ``EL``: ``x``'s ``evict_last``)."""
+    return [load for load in loads if hint in load.split(".")]
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @with_bias
 @pytest.mark.parametrize("case", PDL_CASES.values(), ids=PDL_CASES.keys())
-def test_pdl_sass(case, bias):
+def test_pdl_sass(case, bias, monkeypatch):
     """Compiled for sm_90 with ``USE_PDL``: one ``griddepcontrol.launch_dependents``
     (``PREEXIT``) then one ``griddepcontrol.wait`` (``ACQBULK``), unpredicated, with no branch
     or exit before it (every thread runs it), and before it only the loads of the first
@@ -453,24 +459,37 @@ def test_pdl_sass(case, bias):
     ``BLOCK_K / (8 x 32 x num_warps)`` per thread): no load of ``x`` (``evict_last``, after
     it) nor of the bias, no store, no atomic; no spill."""
     m, n, k = case
-    summary = _gdc_summary(m, n, k, pdl=True, bias=bias)
+    summary = _gemv_sass(m, n, k, True, bias, monkeypatch)
     config = default_config(m, n, k)
     first_tile = config.BLOCK_N * config.BLOCK_K // (8 * 32 * config.num_warps)
+    weight_loads = _hinted(summary["loads_before_wait"], "EF")
     assert summary == dict(spill_bytes=0, waits=1, launch_dependents=1, wait_unpredicated=True,
-                           launch_dependents_first=True, weight_loads_before_wait=first_tile,
-                           other_loads_before_wait=[], stores_before_wait=[],
-                           control_before_wait=[],
-                           x_loads_after_wait=summary["x_loads_after_wait"]), summary
-    assert summary["x_loads_after_wait"] >= block_m(m) * config.BLOCK_K // (
+                           launch_dependents_first=True, loads_before_wait=weight_loads,
+                           stores_before_wait=[], control_before_wait=[],
+                           loads_after_wait=summary["loads_after_wait"]), summary
+    assert len(weight_loads) == first_tile, summary
+    assert len(_hinted(summary["loads_after_wait"], "EL")) >= block_m(m) * config.BLOCK_K // (
         8 * 32 * config.num_warps), summary
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("case", PDL_CASES.values(), ids=PDL_CASES.keys())
-def test_no_pdl_sass(case):
+def test_no_pdl_sass(case, monkeypatch):
     """Without ``USE_PDL`` the kernel holds no grid-dependency-control instruction."""
-    summary = _gdc_summary(*case, pdl=False, bias=True)
+    summary = _gemv_sass(*case, False, True, monkeypatch)
     assert summary["waits"] == summary["launch_dependents"] == 0, summary
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("parts", [0, 9], ids=["plain", "parts9"])
+def test_pdl_add_rms_norm_sass(parts, monkeypatch):
+    """The residual add + RMSNorm compiled for sm_90 as launched at one row of 2,048: with PDL
+    it waits at entry, before any load or store (``qllm.testing.pdl.assert_pdl_sass``);
+    without, no grid-dependency-control instruction."""
+    from qllm_kernels_linear.triton_norm import add_rms_norm
+
+    x, residual, weight = on_meta(*norm_inputs(1, 2048, torch.bfloat16, "cpu", True, parts))
+    assert_pdl_sass(lambda: add_rms_norm(x, residual, weight, 1e-6, True), monkeypatch)
 
 
 @interpreter_driver
@@ -502,9 +521,7 @@ def test_interpreted_parity(shape, rows, config, dtype, bias):
 def test_interpreted_parity_with_pdl_switched_on(rows, monkeypatch):
     """``QLLM_PDL=1`` leaves the op's CPU path as it is: the interpreter runs no inline PTX,
     so the launch keeps PDL off."""
-    from qllm_kernels_linear import triton_gemv
-
-    monkeypatch.setattr(triton_gemv, "PDL", True)
+    force_pdl(monkeypatch, True)
     check_parity(linear_inputs(rows, 33, 64, torch.bfloat16, bias=True))
 
 
