@@ -10,6 +10,8 @@ directly and stage 2 is skipped.
 
 ``num_splits`` depends only on shapes (batch, kv heads, block-table width) and the GPU's SM
 count, never on values, so the launch is free of host syncs and capturable in a CUDA graph.
+With ``QLLM_PDL=1`` both stages are launched with programmatic dependent launch and wait for
+the previous kernel at entry (``qllm.plugins.pdl.pdl_enter``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qllm.plugins.pdl import pdl_arguments, pdl_enter
 from qllm_kernels_attention.paged import attend_tile, checked_query, kv_offsets
 
 MAX_SPLITS = 64
@@ -38,8 +41,9 @@ def _decode_split_kernel(
     stride_lse_seq, stride_lse_head,
     num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, STORE_LSE: tl.constexpr,
+    BLOCK_N: tl.constexpr, STORE_LSE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)  # q is the rope's output, the caches hold this step's K/V
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -85,8 +89,9 @@ def _decode_merge_kernel(
     stride_lse_seq, stride_lse_head,
     stride_out_seq, stride_out_head,
     num_splits,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)  # the parts and log-sum-exps are the split kernel's output
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -146,6 +151,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits = choose_num_splits(batch, kv_heads, block_tables.shape[1] * page, head_dim,
                                        q.device)
     out = q.new_empty(batch, q_heads, head_dim)
+    pdl = pdl_arguments(q.device)
     if num_splits == 1:
         part, lse = out[:, :, None, :], out  # [B, Hq, 1, D]; lse is not written
     else:
@@ -163,7 +169,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse.stride(0), lse.stride(1),
         num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE=page, STORE_LSE=num_splits > 1, **_config(head_dim),
+        PAGE=page, STORE_LSE=num_splits > 1, **_config(head_dim), **pdl,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, q_heads)](
@@ -173,5 +179,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             out.stride(0), out.stride(1),
             num_splits,
             HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            **pdl,
         )
     return out

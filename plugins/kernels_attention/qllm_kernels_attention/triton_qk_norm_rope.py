@@ -12,6 +12,9 @@ Casts follow ``qllm.ops.norm.rms_norm``: ``x_hat`` in fp32; a zero-centred weigh
 in fp32, a plain one multiplies ``x_hat`` rounded to the input dtype. The rotation reads cos
 and sin rounded to the input dtype and computes in fp32, rounding once at the store (as
 Inductor compiles the reference; eager torch rounds each product).
+
+With ``QLLM_PDL=1`` it is launched with programmatic dependent launch and waits for the
+previous kernel at entry (``qllm.plugins.pdl.pdl_enter``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from qllm.plugins.pdl import pdl_arguments, pdl_enter
 
 # Up to this many tokens (decode batches) a program takes one head: one program per token walked
 # Qwen3.5's 18 heads latency-bound (4.7 us at 1 token, 4.6 at 200). Prefill steps keep a
@@ -44,9 +49,10 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_wei
                          HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                          HALF: tl.constexpr, HALF_PAD: tl.constexpr, REST: tl.constexpr,
                          REST_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-                         ZERO_CENTERED: tl.constexpr):
+                         ZERO_CENTERED: tl.constexpr, USE_PDL: tl.constexpr):
     """Program ``(t, g)``: heads ``[g * BLOCK_H, (g + 1) * BLOCK_H)`` of token ``t``, counting
     the ``HQ`` q heads first, then the ``HK`` k heads."""
+    pdl_enter(USE_PDL)  # q and k are the qkv_proj's output
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [H]
     is_q = heads < HQ
@@ -109,5 +115,6 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
         HQ=num_q_heads, HK=num_k_heads, D=dim,
         HALF=half, HALF_PAD=triton.next_power_of_2(half), REST=rest,
         REST_PAD=triton.next_power_of_2(max(rest, 1)), BLOCK_H=block_h,
-        ZERO_CENTERED=zero_centered, num_warps=1 if block_h == 1 else 4)
+        ZERO_CENTERED=zero_centered, num_warps=1 if block_h == 1 else 4,
+        **pdl_arguments(q.device))
     return q_out, k_out

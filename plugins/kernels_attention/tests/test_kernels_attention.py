@@ -3,11 +3,15 @@
 - CUDA (skipped without a GPU): bf16 parity of decode and prefill over GQA ratios, page sizes,
   head dims, ragged lengths and cached prefixes; forced split counts; CUDA-graph replay;
   ``torch.compile``; ``opcheck``. The q/k norm + RoPE kernel against ``qllm.ops.rope`` at the
-  Qwen3.5 (partial rotary, zero-centred norms) and Qwen3 (full rotary) head geometries.
+  Qwen3.5 (partial rotary, zero-centred norms) and Qwen3 (full rotary) head geometries; with
+  programmatic dependent launch (``QLLM_PDL``, the ``pdl`` tests), the q/k norm + RoPE, the
+  decode and the first feeding the second in a replayed CUDA graph, the bits of PDL off.
 - CPU: the custom ops' fake path under ``torch.compile(fullgraph=True)``, the plugin's
-  registrations, and parity at tiny shapes under the Triton interpreter. The interpreter must
-  be switched on before Triton is imported, so ``test_triton_interpreter`` reruns this file's
-  ``interpreted`` tests in a subprocess with ``TRITON_INTERPRET=1``.
+  registrations, the q/k norm + RoPE's and the decode's SASS compiled for sm_90 with PDL (the
+  wait before any memory access) and without (no grid-dependency control), and parity at tiny
+  shapes under the Triton interpreter. The interpreter must be switched on before Triton is
+  imported, so ``test_triton_interpreter`` reruns this file's ``interpreted`` tests in a
+  subprocess with ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by
                                   interpreted, interpreter_driver, run_interpreted_tests)
 from qllm.ops import attention, rope  # noqa: E402
 from qllm.plugins.registry import PluginRegistry  # noqa: E402
+from qllm.testing.pdl import (assert_graph_bits_equal, assert_pdl_sass,  # noqa: E402
+                              require_pdl_gpu)
+from qllm.testing.sm90 import on_meta  # noqa: E402
 from qllm_kernels_attention import ops, plugin  # noqa: E402
 from qllm_kernels_attention.testing import PagedInputs, paged_inputs, qk_inputs  # noqa: E402
 
@@ -199,6 +206,29 @@ def test_compiled_decode_matches_eager():
     torch.testing.assert_close(out, eager, atol=0, rtol=0)
 
 
+# Qwen3.5-35B-A3B's attention layer at decode: one sequence of 700 tokens
+PDL_DECODE = _decode_case(16, 2, 256, 32, [700])
+
+
+@cuda
+@pytest.mark.parametrize("step", ["qk_norm_rope", "paged_decode", "qk_norm_rope+paged_decode"])
+def test_pdl_decode_in_cuda_graph(step, monkeypatch):
+    """With ``QLLM_PDL`` on, Qwen3.5's attention decode at one token: the q/k norm + RoPE, the
+    split and merge kernels of the decode, and the first feeding the second, eagerly and in a
+    CUDA graph replayed 100 times, give the bits of PDL off."""
+    require_pdl_gpu()
+    x = paged_inputs(**PDL_DECODE, device="cuda")
+    qk_args = qk_inputs(**GPU_QK["qwen3.5"], tokens=1, dtype=torch.bfloat16, device="cuda")
+
+    def attend(q: torch.Tensor) -> torch.Tensor:
+        return ops.paged_attention_decode(q, x.k_cache, x.v_cache, x.batch, x.scale)
+
+    steps = {"qk_norm_rope": lambda: ops.qk_norm_rope(*qk_args),
+             "paged_decode": lambda: attend(x.q),
+             "qk_norm_rope+paged_decode": lambda: attend(ops.qk_norm_rope(*qk_args)[0])}
+    assert_graph_bits_equal(steps[step], monkeypatch)
+
+
 @cuda
 def test_opcheck_cuda():
     opcheck_ops("cuda", torch.bfloat16)
@@ -260,6 +290,33 @@ def test_plugin_registrations():
     assert {names[op] for op in names if op != "qk_norm_rope"} == {"torch"}
     names = registry.kernels(torch.device("cpu"), torch.bfloat16).names()
     assert set(names.values()) == {"torch"}
+
+
+def _pdl_launch(op: str):
+    """The launch of the q/k norm + RoPE, or of the decode's split and merge kernels (four
+    splits: the SM count stands in as 4 off the GPU), for Qwen3.5's attention at one token, on
+    ``meta`` tensors."""
+    from qllm_kernels_attention.triton_decode import decode_attention
+    from qllm_kernels_attention.triton_qk_norm_rope import qk_norm_rope
+
+    if op == "qk_norm_rope":
+        q, k, *weights, cos_sin, positions, eps, zero_centered = qk_inputs(
+            **GPU_QK["qwen3.5"], tokens=1, dtype=torch.bfloat16, device="cpu")
+        tensors = on_meta(q, k, *weights, cos_sin, positions)
+        return lambda: qk_norm_rope(*tensors, eps, zero_centered)
+    x = paged_inputs(**PDL_DECODE)
+    tensors = on_meta(x.q, x.k_cache, x.v_cache, x.batch.seq_lens,
+                      x.batch.caches["paged_kv"].block_tables)
+    return lambda: decode_attention(*tensors, x.scale)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("op", ["qk_norm_rope", "paged_decode"])
+def test_pdl_sass(op, monkeypatch):
+    """The q/k norm + RoPE kernel and the decode's split and merge kernels, compiled for sm_90
+    as launched: with PDL each waits at entry, before any load or store
+    (``qllm.testing.pdl.assert_pdl_sass``); without, no grid-dependency-control instruction."""
+    assert_pdl_sass(_pdl_launch(op), monkeypatch)
 
 
 @interpreter_driver

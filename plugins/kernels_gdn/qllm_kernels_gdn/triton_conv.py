@@ -16,6 +16,9 @@ one coalesced vector. Math in fp32; outputs in ``x.dtype``, state in its own dty
   sequence's end return at once, so the grid depends on ``max_query_len`` alone, never on
   tensor values (no host sync). A second launch writes the new states once every conv program
   has read the old ones.
+
+With ``QLLM_PDL=1`` the decode kernel is launched with programmatic dependent launch and waits
+for the previous kernel at entry (``qllm.plugins.pdl.pdl_enter``); the prefill kernels are not.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from qllm.plugins.pdl import pdl_arguments, pdl_enter
 
 UPDATE_BLOCK_C = 256
 PREFILL_BLOCK_T = 32
@@ -35,8 +40,9 @@ def _conv_update_kernel(
     num_channels,
     stride_x_tok, stride_x_chan, stride_w_chan, stride_w_tap,
     stride_s_slot, stride_s_chan, stride_s_tap, stride_out_tok,
-    KERNEL: tl.constexpr, BLOCK_C: tl.constexpr,
+    KERNEL: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)  # x is the in_proj's output; the state is shifted in place
     seq = tl.program_id(0)
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
     mask = chans < num_channels
@@ -149,7 +155,8 @@ def conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         channels,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), out.stride(0),
-        KERNEL=weight.shape[1], BLOCK_C=block_c, num_warps=num_warps)
+        KERNEL=weight.shape[1], BLOCK_C=block_c, num_warps=num_warps,
+        **pdl_arguments(x.device))
     return out
 
 

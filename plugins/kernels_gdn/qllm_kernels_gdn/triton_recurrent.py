@@ -20,6 +20,9 @@ value: the launch depends on shapes only and is CUDA-graph capturable. Decode (o
 sequence, token ``i`` of sequence ``i``) and varlen prefill (tokens split at ``cu_seqlens``)
 share the kernel; prefill walks each sequence sequentially, the fallback where fla's chunked
 kernels are missing.
+
+With ``QLLM_PDL=1`` the kernel (decode and prefill alike) is launched with programmatic
+dependent launch and waits for the previous kernel at entry (``qllm.plugins.pdl.pdl_enter``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from qllm.plugins.pdl import pdl_arguments, pdl_enter
 
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus's: above it, softplus(x) is x
@@ -43,8 +48,9 @@ def _gated_delta_rule_kernel(
     stride_out_tok, stride_out_head,
     stride_s_slot, stride_s_head, stride_s_k, stride_s_v,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)  # q, k, v are the conv's output, a and b the in_proj's
     block_v = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -157,5 +163,5 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
         GROUP=num_v_heads // q.shape[1], DK=dk, DV=dv,
         BK=triton.next_power_of_2(dk), BV=block_v, VARLEN=cu_seqlens is not None,
-        num_warps=num_warps)
+        num_warps=num_warps, **pdl_arguments(v.device))
     return out

@@ -5,12 +5,16 @@
   where fla-core is installed) over varlen batches with lengths 1..1000 (over 64, not multiples
   of 64), with and without initial state; decode at batch 1..256 with slots out of order and
   padding rows in the padding slot, three chained steps; the gated RMSNorm at decode and
-  prefill sizes; CUDA-graph replay; reduce-overhead ``torch.compile``; ``opcheck``.
+  prefill sizes; CUDA-graph replay; reduce-overhead ``torch.compile``; ``opcheck``; with
+  programmatic dependent launch (``QLLM_PDL``, the ``pdl`` tests), each decode op and the
+  layer's chain of them in a replayed CUDA graph, the bits of PDL off.
 - CPU: the custom ops' fake path under ``torch.compile(fullgraph=True)``, the plugin's
-  registrations, and parity of the plugin's own Triton kernels at tiny shapes under the Triton
-  interpreter (fla's autotuned kernels need a GPU driver, so they run on CUDA only). The
-  interpreter must be switched on before Triton is imported, so ``test_triton_interpreter``
-  reruns this file's ``interpreted`` tests in a subprocess with ``TRITON_INTERPRET=1``.
+  registrations, the decode kernels' SASS compiled for sm_90 with PDL (the wait before any
+  memory access) and without (no grid-dependency control), and parity of the plugin's own
+  Triton kernels at tiny shapes under the Triton interpreter (fla's autotuned kernels need a GPU
+  driver, so they run on CUDA only). The interpreter must be switched on before Triton is
+  imported, so ``test_triton_interpreter`` reruns this file's ``interpreted`` tests in a
+  subprocess with ``TRITON_INTERPRET=1``.
 
 Every check compares all slots of the state: the batch's slots against the reference, every
 other slot (stale data) bit for bit, except the padding slot, whose content is unspecified.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+from typing import Callable
 
 import pytest
 import torch
@@ -33,6 +38,9 @@ from qllm.ops import norm as norm_reference  # noqa: E402
 from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
                                   interpreted, interpreter_driver, run_interpreted_tests)
 from qllm.plugins.registry import PluginRegistry  # noqa: E402
+from qllm.testing.pdl import (assert_graph_bits_equal, assert_pdl_sass,  # noqa: E402
+                              require_pdl_gpu)
+from qllm.testing.sm90 import on_meta  # noqa: E402
 from qllm.batch import ForwardBatch  # noqa: E402
 from qllm_kernels_gdn import ops, plugin  # noqa: E402
 from qllm_kernels_gdn.testing import (GPU_GEOMETRIES, QWEN3_5_35B_A3B,  # noqa: E402
@@ -336,6 +344,46 @@ def test_compiled_decode_matches_eager():
         mode="reduce-overhead")
 
 
+def _pdl_decode_steps(num_seqs: int) -> tuple[dict, Callable[[], None]]:
+    """A GDN layer's decode kernels at Qwen3.5-35B-A3B's geometry for ``num_seqs`` sequences on
+    CUDA, as steps (name -> a call returning its outputs and the states it updated): each op
+    alone, and the layer's chain (conv update, recurrence, gated RMSNorm, each fed by the one
+    before); and the reset that restores those states."""
+    args = _decode_step_inputs(QWEN3_5_35B_A3B, num_seqs, 0, torch.bfloat16, GPU_SLOTS, "cuda")
+    x, weight, conv_state, *_, ssm_state, batch = args
+    gdn = gdn_inputs(batch, QWEN3_5_35B_A3B, GPU_SLOTS, torch.bfloat16, torch.float32, seed=1)
+    x_heads, gate, norm_weight = norm_inputs(num_seqs, QWEN3_5_35B_A3B.num_v_heads,
+                                             QWEN3_5_35B_A3B.head_v_dim, torch.bfloat16, "cuda")
+    states = (conv_state, ssm_state, gdn.ssm_state)
+    initial = [state.clone() for state in states]
+
+    def reset() -> None:
+        for state, before in zip(states, initial):
+            state.copy_(before)
+
+    steps = {
+        "conv_update": lambda: (ops.causal_conv1d_update(x, weight, conv_state, batch),
+                                conv_state),
+        "gdn_decode": lambda: (ops.gdn_decode(*gdn.args()), gdn.ssm_state),
+        "rms_norm_gated": lambda: ops.rms_norm_gated(x_heads, gate, norm_weight, 1e-6),
+        "layer": lambda: (ops.rms_norm_gated(_decode_step(*args), gate, norm_weight, 1e-6),
+                          conv_state, ssm_state),
+    }
+    return steps, reset
+
+
+@cuda
+@pytest.mark.parametrize("num_seqs", [1, 64], ids=["b1", "b64"])
+@pytest.mark.parametrize("step", ["conv_update", "gdn_decode", "rms_norm_gated", "layer"])
+def test_pdl_decode_in_cuda_graph(step, num_seqs, monkeypatch):
+    """With ``QLLM_PDL`` on, each decode op, and the layer's chain of them, eagerly and in a
+    CUDA graph replayed 100 times (the states restored before each), gives the outputs and
+    states of PDL off bit for bit."""
+    require_pdl_gpu()
+    steps, reset = _pdl_decode_steps(num_seqs)
+    assert_graph_bits_equal(steps[step], monkeypatch, reset=reset)
+
+
 @cuda
 def test_opcheck_cuda():
     opcheck_ops("cuda", torch.bfloat16, with_fla=plugin.HAS_FLA)
@@ -426,6 +474,35 @@ def test_plugin_registrations(monkeypatch):
     monkeypatch.setattr(plugin, "HAS_FLA", False)
     names = registry.kernels(torch.device("cuda"), torch.bfloat16).names()
     assert names["gdn_prefill"] == ("triton" if HAS_TRITON else "torch")
+
+
+def _pdl_launch(kernel: str) -> Callable[[], object]:
+    """The launch of one of the GDN layer's decode kernels at Qwen3.5-35B-A3B's geometry, one
+    sequence, on ``meta`` tensors as the layer lays its inputs out."""
+    from qllm_kernels_gdn import triton_conv, triton_norm, triton_recurrent
+
+    batch = random_batch([1], TINY_SLOTS, True)
+    slots = on_meta(*_slot_fields(batch))
+    if kernel == "conv_update":
+        conv = conv_inputs(batch, QWEN3_5_35B_A3B, TINY_SLOTS, torch.bfloat16, torch.bfloat16)
+        conv_args = on_meta(conv.x, conv.weight, conv.conv_state)
+        return lambda: triton_conv.conv1d_update(*conv_args, *slots)
+    if kernel == "gdn_decode":
+        gdn = gdn_inputs(batch, QWEN3_5_35B_A3B, TINY_SLOTS, torch.bfloat16, torch.float32)
+        gdn_args = on_meta(*gdn.args()[:8])
+        return lambda: triton_recurrent.gated_delta_rule(*gdn_args, *slots)
+    norm_args = on_meta(*norm_inputs(1, QWEN3_5_35B_A3B.num_v_heads, QWEN3_5_35B_A3B.head_v_dim,
+                                     torch.bfloat16, "cpu"))
+    return lambda: triton_norm.rms_norm_gated(*norm_args, 1e-6)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("kernel", ["conv_update", "gdn_decode", "rms_norm_gated"])
+def test_pdl_sass(kernel, monkeypatch):
+    """Each decode kernel compiled for sm_90 as launched: with PDL it waits at entry, before
+    any load or store (``qllm.testing.pdl.assert_pdl_sass``); without, no grid-dependency-control
+    instruction."""
+    assert_pdl_sass(_pdl_launch(kernel), monkeypatch)
 
 
 @interpreter_driver

@@ -17,7 +17,10 @@ entry with ``BLOCK_M == 1``) with ``x [T, H]``, ``topk_ids [T, k]`` (``S = T * k
 An expert hit by several slots is read once per slot (from L2 after the first), so the path
 pays only while slots rarely share experts: the tuner decides up to which token count.
 Products are accumulated over ``[BLOCK_N, BLOCK_K]`` tiles in fp32 and reduced once per row at
-the end. No host syncs: capturable in a CUDA graph.
+the end. No host syncs: capturable in a CUDA graph. With ``QLLM_PDL=1`` both kernels are
+launched with programmatic dependent launch and wait for the previous kernel at entry
+(``qllm.plugins.pdl.pdl_enter``): the expert ids come from the router, so no weight can be read
+before.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qllm.plugins.pdl import pdl_arguments, pdl_enter
 from qllm_kernels_moe.configs import GemmConfig
 
 
@@ -48,9 +52,11 @@ def _slot_weight_tile(ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_exp
 @triton.jit
 def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
                          num_experts, N, K, stride_x_row, stride_w_expert, stride_w_row,
-                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` for slot ``s`` of token
     ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``)."""
+    pdl_enter(USE_PDL)  # the ids are the router's output, x the norm's
     slot, rows, row_mask, ks, gate_ptrs = _slot_weight_tile(
         ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_expert, stride_w_row, BLOCK_N,
         BLOCK_K)  # gate_ptrs: [BN, BK]
@@ -75,9 +81,10 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
 @triton.jit
 def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weights_ptr, out_ptr,
                       num_experts, N, K, stride_w_expert, stride_w_row,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """``out[s, n] = round(routing_weights[s] * (hidden[s] . w[e, n]))`` for slot ``s`` routed
     to expert ``e`` (``num_experts``: ``shared_w``); ``round`` to ``out``'s dtype."""
+    pdl_enter(USE_PDL)  # hidden is the gate-up's output; ids and weights the router's
     slot, rows, row_mask, ks, w_ptrs = _slot_weight_tile(
         ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_expert, stride_w_row, BLOCK_N,
         BLOCK_K)  # w_ptrs: [BN, BK]
@@ -107,7 +114,7 @@ def slot_gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor,
         x, w13, shared_w13, topk_ids, hidden, w13.shape[0], inter, x.shape[1],
         x.stride(0), w13.stride(0), w13.stride(1), TOP_K=top_k,
         BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_arguments(x.device))
     return hidden
 
 
@@ -124,5 +131,6 @@ def slot_down(hidden: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor,
     _slot_down_kernel[grid](
         hidden, w2, shared_w2, topk_ids, topk_weights, out, w2.shape[0], hidden_size, inter,
         w2.stride(0), w2.stride(1), BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_arguments(hidden.device))
     return out

@@ -3,9 +3,13 @@
 - CUDA (skipped without a GPU): bf16 parity for T in {1, 7, 64, 256, 2048} at the
   Qwen3.5-35B-A3B shape and two smaller ones, skewed routing, every entry of the shipped
   block-size table, forced configs, fp16, CUDA-graph replay, compiled decode, ``opcheck``, the
-  Triton sort against ``moe_align`` and the Triton router against ``moe_router``.
+  Triton sort against ``moe_align`` and the Triton router against ``moe_router``; with
+  programmatic dependent launch (``QLLM_PDL``, the ``pdl`` tests), the router, the slot path
+  and the router feeding it in a replayed CUDA graph, the bits of PDL off.
 - CPU: the sort (``moe_align``) against a naive layout, the config tables, the custom op's
-  fake path under ``torch.compile(fullgraph=True)``, the plugin's registration, and, under the
+  fake path under ``torch.compile(fullgraph=True)``, the plugin's registration, the router's
+  and the slot path's SASS compiled for sm_90 with PDL (the wait before any memory access) and
+  without (no grid-dependency control), and, under the
   Triton interpreter, the Triton align against ``moe_align``, the router against
   ``moe_router`` and parity at tiny shapes. The interpreter must be switched on before Triton is
   imported, so ``test_triton_interpreter`` reruns this file's ``interpreted`` tests in a
@@ -24,6 +28,8 @@ from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by
                                   interpreted, interpreter_driver, run_interpreted_tests)
 from qllm.ops import moe as reference  # noqa: E402
 from qllm.plugins.registry import PluginRegistry  # noqa: E402
+from qllm.testing.pdl import (assert_graph_bits_equal, assert_pdl_sass,  # noqa: E402
+                              require_pdl_gpu)
 from qllm_kernels_moe import ops, plugin  # noqa: E402
 from qllm_kernels_moe.align import max_padded_slots, moe_align  # noqa: E402
 from qllm_kernels_moe.configs import (GemmConfig, MoeConfig, default_config,  # noqa: E402
@@ -190,6 +196,26 @@ def test_compiled_decode_matches_eager():
 
 
 @cuda
+@pytest.mark.parametrize("step", ["router", "fused_moe", "router+fused_moe"])
+def test_pdl_decode_in_cuda_graph(step, monkeypatch):
+    """With ``QLLM_PDL`` on, at one token of Qwen3.5-35B-A3B (the slot path): the router, the
+    experts (gate-up then down), and the router feeding the experts, eagerly and in a CUDA
+    graph replayed 100 times, give the bits of PDL off."""
+    require_pdl_gpu()
+    experts, top_k, hidden, inter = GPU_SHAPES["35b-a3b"]
+    inputs = moe_inputs(1, experts, hidden, inter, top_k, device="cuda")
+    logits = router_logits(1, experts, torch.bfloat16, "cuda")  # [1, E + 1]
+
+    def routed() -> torch.Tensor:
+        weights, ids = ops.moe_router(logits, top_k, True)  # [1, k + 1] each
+        return ops.fused_moe(*inputs._replace(topk_weights=weights, topk_ids=ids))
+
+    steps = {"router": lambda: ops.moe_router(logits, top_k, True),
+             "fused_moe": lambda: ops.fused_moe(*inputs), "router+fused_moe": routed}
+    assert_graph_bits_equal(steps[step], monkeypatch)
+
+
+@cuda
 def test_opcheck_cuda():
     opcheck_op("cuda", torch.bfloat16)
 
@@ -346,6 +372,35 @@ def test_plugin_registration():
     for device, dtype in (("cpu", torch.bfloat16), ("cuda", torch.float32)):
         names = registry.kernels(torch.device(device), dtype).names()
         assert names["fused_moe"] == names["moe_router"] == "torch"
+
+
+def _meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _pdl_launch(op: str):
+    """The launch of the router or of the experts (the slot path: gate-up, then down) at one
+    token of Qwen3.5-35B-A3B, on ``meta`` tensors."""
+    from qllm_kernels_moe.triton_moe import fused_moe_triton
+    from qllm_kernels_moe.triton_router import moe_router_triton
+
+    experts, top_k, hidden, inter = GPU_SHAPES["35b-a3b"]
+    if op == "router":
+        return lambda: moe_router_triton(_meta(1, experts + 1), top_k, True)
+    inputs = MoeInputs(_meta(1, hidden), _meta(experts, 2 * inter, hidden),
+                       _meta(experts, hidden, inter), _meta(1, top_k + 1),
+                       _meta(1, top_k + 1, dtype=torch.int64), _meta(2 * inter, hidden),
+                       _meta(hidden, inter))
+    return lambda: fused_moe_triton(*inputs)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("op", ["router", "fused_moe"])
+def test_pdl_sass(op, monkeypatch):
+    """The router's kernel and the slot path's two, compiled for sm_90 as launched: with PDL
+    each waits at entry, before any load or store (``qllm.testing.pdl.assert_pdl_sass``);
+    without, no grid-dependency-control instruction."""
+    assert_pdl_sass(_pdl_launch(op), monkeypatch)
 
 
 @interpreter_driver
