@@ -16,11 +16,12 @@
 #   per shape and row count; bench-linear-1: at W3's one row only);
 #   bench-linear-200: those shapes at W2's 200 rows, cuBLAS against Inductor's max-autotune
 #   GEMM (whether a Triton GEMM can beat cuBLAS there);
-#   pdl: the GEMV with programmatic dependent launch (QLLM_PDL, plugins/kernels_linear):
-#   bench_pdl.py (a 40-layer decode step's GEMV chain in a CUDA graph, PDL off, on, cuBLAS;
-#   then with --chain gemv, the GEMVs alone, every kernel PDL-launched), then the PDL tests (bits equal to PDL off, CUDA-graph replays, the SASS); QLLM_PDL=1 in
-#   the environment runs any stage with it (the end-to-end measure: QLLM_PDL=1 bash
-#   benchmarks/gpu_run.sh w3, against a plain w3 in the same call);
+#   pdl: programmatic dependent launch (QLLM_PDL, qllm/plugins/pdl.py) of the decode path's
+#   kernels: bench_pdl.py (a 40-layer decode step's GEMV chain in a CUDA graph, PDL off, on,
+#   cuBLAS; then with --chain gemv, the GEMVs alone, every kernel PDL-launched), then the PDL
+#   tests (bits equal to PDL off, CUDA-graph replays, the SASS); QLLM_PDL=1 in the environment
+#   runs any stage with it (the end-to-end measure: QLLM_PDL=1 bash benchmarks/gpu_run.sh w3,
+#   against a plain w3 in the same call);
 #   bench-int8: the 8-bit kernels against bf16 at those shapes (1 and 200 rows) and the MoE
 #   (1 and 4 tokens), JSON lines, then decode_step lines (W3's dense + MoE time per format);
 #   bench-int8-sweep: the 8-bit GEMV's launch-config sweep at one row (best per shape);
@@ -156,8 +157,11 @@ for stage in "$@"; do
                  plugins/kernels_linear/benchmarks/bench_pdl.py
              TAIL=${TAIL:-10} run bench_pdl_gemv 200 python3 \
                  plugins/kernels_linear/benchmarks/bench_pdl.py --chain gemv
-             run pdl_tests 240 python3 -m pytest $PYTEST_GPU -k pdl \
-                 plugins/kernels_linear/tests/test_kernels_linear.py ;;
+             run pdl_tests 240 python3 -m pytest $PYTEST_GPU -k pdl tests/test_pdl.py \
+                 plugins/kernels_linear/tests/test_kernels_linear.py \
+                 plugins/kernels_gdn/tests/test_kernels_gdn.py \
+                 plugins/kernels_moe/tests/test_kernels_moe.py \
+                 plugins/kernels_attention/tests/test_kernels_attention.py ;;
         bench-int8) TAIL=${TAIL:-12} run bench_int8 300 python3 \
                         plugins/kernels_int8/benchmarks/bench_int8.py ;;
         bench-int8-sweep) TAIL=${TAIL:-6} run bench_int8_sweep 480 python3 \
