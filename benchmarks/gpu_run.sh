@@ -27,9 +27,11 @@
 #   bench-int8-sweep: the 8-bit GEMV's launch-config sweep at one row (best per shape);
 #   bench-int8-sweep-moe: the same for the MoE slot path's two GEMMs at 1 and 4 tokens;
 #   bench-int8-sweep-sorted: the tiles of the int8 MoE's sorted path (the op's from 5 tokens,
-#   today kernels_moe's bf16 table) at W2's 200 tokens and a 16,384-token prefill step: per
-#   GEMM the five fastest and the table's, then the whole op at the best against the table's
-#   tiles and bf16 (3 JSON lines per token count; about 3 minutes of sweeping);
+#   its table in qllm_kernels_int8/configs/) at W2's 200 tokens and a 16,384-token prefill
+#   step: per GEMM the five fastest and the table's, then the whole op at the best against the
+#   table's tiles and bf16 (3 JSON lines per token count; about 3 minutes of sweeping);
+#   bench-int8-sweep-sorted-full: the same at 200 tokens over kernels_moe's full grid (8 warps,
+#   BLOCK_K 256, 2-5 stages; about 3.5 minutes);
 #   bench-fp8-sweep-sorted: the same on the fp8 (W8A8, 128x128 block scales) sorted path
 #   (bench_int8.py --format fp8: BLOCK_K within the scale block, BLOCK_M 32 and 64 beside the
 #   bf16 table's 16 at 200 tokens, 64 beside its 128 at 16,384; against the fp8 rule, bf16
@@ -172,6 +174,10 @@ for stage in "$@"; do
         bench-int8-sweep-sorted) TAIL=${TAIL:-8} run bench_int8_sweep_sorted 420 python3 \
                                      plugins/kernels_int8/benchmarks/bench_int8.py --sweep \
                                      --parts moe --moe-tokens 200 16384 ;;
+        bench-int8-sweep-sorted-full) TAIL=${TAIL:-4} run bench_int8_sweep_sorted_full 420 \
+                                          python3 plugins/kernels_int8/benchmarks/bench_int8.py \
+                                          --sweep --parts moe --moe-tokens 200 --grid full \
+                                          --block-m 16 ;;
         bench-fp8-sweep-sorted) TAIL=${TAIL:-8} run bench_fp8_sweep_sorted 480 python3 \
                                     plugins/kernels_int8/benchmarks/bench_int8.py --sweep \
                                     --parts moe --moe-tokens 200 16384 --format fp8 ;;
