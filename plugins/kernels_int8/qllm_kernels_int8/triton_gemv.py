@@ -24,6 +24,12 @@ and each chunk's sum times the scale of its ``SCALE_BLOCK_K``-column block (8 di
 block).
 
 Launch parameters: ``gemv_configs``. The launch depends on shapes only (no host sync).
+
+With ``QLLM_PDL=1`` (``qllm.plugins.pdl``) the GEMV is launched with programmatic dependent
+launch, as kernels_linear's bf16 GEMV: it lets the next kernel launch, issues the loads of its
+first ``BLOCK_K`` weight columns and their scales (parameters), then waits for the previous
+kernel (``gdc_wait``, unconditional) before it loads ``x`` or stores; without it the constexpr
+prunes all of that and the kernel compiles to its code without PDL.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from qllm.plugins.pdl import pdl_arguments
 from qllm_kernels_linear.configs import GemvConfig, block_m
 
 from qllm_kernels_int8.gemv_configs import GEMV_MAX_ROWS, VECTOR, default_config
@@ -41,16 +49,43 @@ VECTOR_C = tl.constexpr(VECTOR)
 
 
 @triton.jit
+def _k_step(acc, x_ptrs, x_rows, w_ptrs, w_rows_on, scale_rows, row_mask, chunks, cols, k, K,
+            SCALE_BLOCK_K: tl.constexpr, FAST_INT8: tl.constexpr, WAIT: tl.constexpr):
+    """``acc [BM, BN, C]`` plus the K step at column ``k``: each chunk's dequantized products
+    summed. With ``WAIT`` the weight tile (and, fp8, each chunk's scale) loads first, then
+    ``gdc_wait``, then ``x``; without, ``x`` loads first."""
+    in_k = cols < K - k                                                    # [1, 1, C, V]
+    if not WAIT:
+        x = tl.load(x_ptrs, mask=x_rows & in_k, other=0.0, eviction_policy="evict_last")
+    w = tl.load(w_ptrs, mask=w_rows_on & in_k, other=0.0, eviction_policy="evict_first")
+    if SCALE_BLOCK_K:  # fp8: each chunk lies in one scale block
+        blocks = (k + chunks * VECTOR_C) // SCALE_BLOCK_K                  # [1, 1, C]
+        chunk_scales = tl.load(scale_rows[None, :, None] + blocks,
+                               mask=row_mask[None, :, None] & (chunks * VECTOR_C < K - k),
+                               other=0.0)                                  # [1, BN, C]
+    if WAIT:
+        gdc_wait()  # the previous kernel is done: x is written, out no longer read
+        x = tl.load(x_ptrs, mask=x_rows & in_k, other=0.0, eviction_policy="evict_last")
+    if SCALE_BLOCK_K:
+        acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=3) * chunk_scales
+    else:
+        acc += tl.sum(x.to(tl.float32) * int8_to_f32(w, FAST_INT8), axis=3)
+    return acc
+
+
+@triton.jit
 def weight_row_dots(x_ptr, stride_xm, M, w_rows, row_mask, scale_rows, K,
                     SCALE_BLOCK_K: tl.constexpr, FAST_INT8: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    NUM_STAGES: tl.constexpr):
+                    NUM_STAGES: tl.constexpr, PDL_ENTRY: tl.constexpr):
     """``[BLOCK_M, BLOCK_N]`` fp32 dot products over ``K`` columns of the first ``M`` rows of
     ``x`` (at ``x_ptr``, rows ``stride_xm`` apart; rows past ``M`` give 0) with the 8-bit
     weight rows at the pointers ``w_rows [BLOCK_N]`` (rows off in ``row_mask`` give 0), both
     with unit column stride, dequantized: ``SCALE_BLOCK_K == 0``, int8 rows times their scale
     at ``scale_rows [BLOCK_N]``; else fp8, each block of ``SCALE_BLOCK_K`` columns times its
-    scale at ``scale_rows + k // SCALE_BLOCK_K``."""
+    scale at ``scale_rows + k // SCALE_BLOCK_K``. With ``PDL_ENTRY`` (the GEMV's PDL entry,
+    every thread passing): launch the dependents, issue the first step's weight and scale
+    loads, then ``gdc_wait`` before loading ``x``; the loop runs the other steps."""
     CHUNKS: tl.constexpr = BLOCK_K // VECTOR_C
     chunks = tl.arange(0, CHUNKS)[None, None, :]                            # [1, 1, C]
     cols = chunks[:, :, :, None] * VECTOR_C + tl.arange(0, VECTOR_C)[None, None, None, :]
@@ -59,21 +94,19 @@ def weight_row_dots(x_ptr, stride_xm, M, w_rows, row_mask, scale_rows, K,
     w_ptrs = w_rows[None, :, None, None] + cols                            # [1, BN, C, V]
     x_rows = offs_m < M
     w_rows_on = row_mask[None, :, None, None]
+    if PDL_ENTRY:
+        gdc_launch_dependents()
     if not SCALE_BLOCK_K:  # int8: the rows' scales, loaded with the first weights
         row_scales = tl.load(scale_rows, mask=row_mask, other=0.0)        # [BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N, CHUNKS), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        in_k = cols < K - k                                                # [1, 1, C, V]
-        x = tl.load(x_ptrs, mask=x_rows & in_k, other=0.0, eviction_policy="evict_last")
-        w = tl.load(w_ptrs, mask=w_rows_on & in_k, other=0.0, eviction_policy="evict_first")
-        if SCALE_BLOCK_K:  # fp8: each chunk lies in one scale block
-            blocks = (k + chunks * VECTOR_C) // SCALE_BLOCK_K              # [1, 1, C]
-            chunk_scales = tl.load(scale_rows[None, :, None] + blocks,
-                                   mask=row_mask[None, :, None] & (chunks * VECTOR_C < K - k),
-                                   other=0.0)                              # [1, BN, C]
-            acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=3) * chunk_scales
-        else:
-            acc += tl.sum(x.to(tl.float32) * int8_to_f32(w, FAST_INT8), axis=3)
+    if PDL_ENTRY:  # the loop's first step, its weight loads issued before the wait
+        acc = _k_step(acc, x_ptrs, x_rows, w_ptrs, w_rows_on, scale_rows, row_mask, chunks,
+                      cols, 0, K, SCALE_BLOCK_K, FAST_INT8, True)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    for k in tl.range(BLOCK_K if PDL_ENTRY else 0, K, BLOCK_K, num_stages=NUM_STAGES):
+        acc = _k_step(acc, x_ptrs, x_rows, w_ptrs, w_rows_on, scale_rows, row_mask, chunks,
+                      cols, k, K, SCALE_BLOCK_K, FAST_INT8, False)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out = tl.sum(acc, axis=2)                                              # [BM, BN]
@@ -88,16 +121,17 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K,
                  stride_xm, stride_wn, stride_sn, stride_om, scale_block_n,
                  SCALE_BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_INT8: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NUM_STAGES: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     """One program per ``BLOCK_N`` weight rows: ``weight_row_dots`` of all ``M`` rows of
     ``x``, plus the bias in fp32, rounded once to the output's dtype. int8: ``scale [N]``
-    (``scale_block_n`` 1, ``stride_sn`` 1); fp8: ``scale [N / bn, K / bk]``."""
+    (``scale_block_n`` 1, ``stride_sn`` 1); fp8: ``scale [N / bn, K / bk]``. ``USE_PDL``:
+    ``weight_row_dots``'s PDL entry."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)             # [BN]
     row_mask = rows < N
     out = weight_row_dots(x_ptr, stride_xm, M, w_ptr + rows.to(tl.int64) * stride_wn,
                           row_mask, scale_ptr + (rows // scale_block_n) * stride_sn, K,
                           SCALE_BLOCK_K, FAST_INT8, BLOCK_M, BLOCK_N, BLOCK_K,
-                          NUM_STAGES)                                      # [BM, BN]
+                          NUM_STAGES, USE_PDL)                             # [BM, BN]
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
     offs_m = tl.arange(0, BLOCK_M)
@@ -137,5 +171,5 @@ def gemv_8bit(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         SCALE_BLOCK_K=scale_block_k(block), HAS_BIAS=bias is not None,
         FAST_INT8=x.is_cuda if fast_int8 is None else fast_int8, BLOCK_M=block_m(m),
         BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, NUM_STAGES=config.num_stages,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_arguments(x.device))
     return out

@@ -17,7 +17,10 @@ reads the shared expert's weights and scales):
 An expert hit by several slots is read once per slot (from L2 after the first): the path pays
 while slots rarely share experts, at the token counts where kernels_moe's table chooses its own
 slot path (``BLOCK_M == 1``). Launch parameters: ``gemv_configs.slot_moe_config``. No host
-syncs: capturable in a CUDA graph.
+syncs: capturable in a CUDA graph. With ``QLLM_PDL=1`` both kernels are launched with
+programmatic dependent launch and wait for the previous kernel at entry
+(``qllm.plugins.pdl.pdl_enter``): the expert ids come from the router, so no weight can be read
+before.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qllm.plugins.pdl import pdl_arguments, pdl_enter
 from qllm_kernels_moe.configs import GemmConfig
 
 from qllm_kernels_int8.triton_gemv import scale_block_k, weight_row_dots
@@ -51,9 +55,11 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, scale_ptr, shared_scale_ptr
                          stride_w_row, stride_s_expert, stride_s_row, scale_block_n,
                          TOP_K: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
                          FAST_INT8: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                         BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` (dequantized ``w``) for
     slot ``s`` of token ``t = s // TOP_K`` routed to expert ``e``."""
+    pdl_enter(USE_PDL)  # the ids are the router's output, x the norm's
     ROWS: tl.constexpr = 2 * BLOCK_N
     slot = tl.program_id(0)
     pairs = tl.arange(0, ROWS)                                   # [2BN]: gate, up, gate, ...
@@ -64,7 +70,7 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, scale_ptr, shared_scale_ptr
         scale_block_n)
     dots = weight_row_dots(x_ptr + (slot // TOP_K) * stride_x_row, 0, 1, w_rows, cols < N,
                            scale_rows, K, SCALE_BLOCK_K, FAST_INT8, 1, ROWS, BLOCK_K,
-                           NUM_STAGES)                           # [1, 2BN]
+                           NUM_STAGES, False)                    # [1, 2BN]
     gate, up = tl.split(tl.reshape(dots, (BLOCK_N, 2)))          # [BN] each
     out = gate * tl.sigmoid(gate) * up
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -77,9 +83,10 @@ def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, scale_ptr, shared_scale_p
                       stride_w_row, stride_s_expert, stride_s_row, scale_block_n,
                       SCALE_BLOCK_K: tl.constexpr, FAST_INT8: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      NUM_STAGES: tl.constexpr):
+                      NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     """``out[s, n] = round(routing_weights[s] * (hidden[s] . w[e, n]))`` (dequantized ``w``)
     for slot ``s`` routed to expert ``e``; ``round`` to ``out``'s dtype."""
+    pdl_enter(USE_PDL)  # hidden is the gate-up's output; ids and weights the router's
     slot = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)      # [BN]
     w_rows, scale_rows = _expert_rows(
@@ -87,7 +94,7 @@ def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, scale_ptr, shared_scale_p
         stride_w_expert, stride_w_row, stride_s_expert, stride_s_row, scale_block_n)
     dots = weight_row_dots(hidden_ptr + slot * K, 0, 1, w_rows, n < N, scale_rows, K,
                            SCALE_BLOCK_K, FAST_INT8, 1, BLOCK_N, BLOCK_K,
-                           NUM_STAGES)                           # [1, BN]
+                           NUM_STAGES, False)                    # [1, BN]
     out = tl.sum(dots, axis=0) * tl.load(routing_weights_ptr + slot).to(tl.float32)
     tl.store(out_ptr + slot * N + n, out.to(out_ptr.dtype.element_ty), mask=n < N)
 
@@ -104,11 +111,13 @@ def _weight_args(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | 
 
 def _options(config: GemmConfig, block: tuple[int, int] | None, fast_int8: bool | None,
              a: torch.Tensor) -> dict:
-    """The kernels' constexprs and launch options (``fast_int8`` default: on CUDA)."""
+    """The kernels' constexprs and launch options (``fast_int8`` default: on CUDA; PDL:
+    ``pdl_arguments``)."""
     return dict(SCALE_BLOCK_K=scale_block_k(block),
                 FAST_INT8=a.is_cuda if fast_int8 is None else fast_int8,
                 BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, NUM_STAGES=config.num_stages,
-                num_warps=config.num_warps, num_stages=config.num_stages)
+                num_warps=config.num_warps, num_stages=config.num_stages,
+                **pdl_arguments(a.device))
 
 
 def slot_gate_up_8bit(x: torch.Tensor, w13: tuple[torch.Tensor, torch.Tensor],

@@ -4,7 +4,9 @@
   dequantized weights, the custom ops' fake path under ``torch.compile(fullgraph=True)``, the
   plugin's registrations, the GEMV's and the swap-AB GEMM's launch rules, the arithmetic of
   the int8 -> fp32 / bf16 / fp16 conversions, and (with Triton, no GPU) the inline-PTX
-  variants compiled for sm_90, the swap-AB GEMM's code at W2's 200 rows and the rule's other
+  variants compiled for sm_90, the decode kernels' programmatic dependent launch (``QLLM_PDL``,
+  the ``pdl`` tests: the 8-bit GEMV's and slot MoE's grid-dependency-control instructions in
+  their sm_90 SASS, int8 and fp8), the swap-AB GEMM's code at W2's 200 rows and the rule's other
   tiles included (by the installed Triton: its MMA retired before the next step writes the
   MMA's registers), the fp8 sorted MoE's MMA at 16- and 64-row blocks; under the Triton
   interpreter (``test_triton_interpreter`` reruns the ``interpreted`` tests in a subprocess
@@ -13,8 +15,9 @@
   explicit configs, split-K included), the fp8 activation quantization, the fp8 block GEMM,
   both 8-bit fused MoEs on the sorted path and on the slot path.
 - CUDA (skipped without a GPU): the ops at Qwen3.5-35B-A3B shapes in bf16 (the GEMV with
-  both int8 conversions, the swap-AB GEMM with both, in bf16 and fp16), and a compiled
-  fullgraph call.
+  both int8 conversions, the swap-AB GEMM with both, in bf16 and fp16), a compiled
+  fullgraph call, and, with ``QLLM_PDL`` on (Hopper), the GEMV, the slot MoE and the GEMV
+  feeding it at one token, eagerly and in a replayed CUDA graph: the bits of PDL off.
 
 The interpreter's fp32 -> e4m3 cast rounds a mantissa of 0b111 up without carrying into the
 exponent (it gives half the value), so interpreted checks of the activation quantization
@@ -24,6 +27,7 @@ allow exactly that; the fp8 GEMMs are checked there on activations quantized by 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -36,6 +40,8 @@ from qllm.testing.kernels import (HAS_TRITON, INTERPRETING, called_ops, cuda,  #
                                   run_interpreted_tests)
 from qllm.ops import moe  # noqa: E402
 from qllm.plugins.registry import PluginRegistry  # noqa: E402
+from qllm.testing.pdl import (assert_graph_bits_equal, assert_pdl_sass,  # noqa: E402
+                              require_pdl_gpu, sass_summaries)
 from qllm_kernels_int8 import gemm_configs, gemv_configs, ops, plugin, quant  # noqa: E402
 from qllm_kernels_linear.configs import GemvConfig  # noqa: E402
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig  # noqa: E402
@@ -379,6 +385,89 @@ def test_sorted_moe_fp8_sass(block_m):
 # ----------------------------------------------------------------------------- interpreter
 
 
+PDL_FORMATS = {"int8": None, "fp8": (128, 128)}  # format -> its scale block (int8: none)
+PDL_GEMV_CASES = {**{f"{name}-m1": (1, *shape) for name, shape in DENSE_SHAPES.items()},
+                  "out_proj-m4": (4, *DENSE_SHAPES["out_proj"])}
+
+
+def _meta_8bit(fmt: str, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``meta`` 8-bit weights ``[..., R, C]`` of ``fmt`` and their scales (int8: ``[..., R]``;
+    fp8: ``[..., R / bn, C / bk]``)."""
+    block, (*lead, rows, cols) = PDL_FORMATS[fmt], shape
+    if block is None:
+        return (torch.empty(shape, dtype=torch.int8, device="meta"),
+                torch.empty(*lead, rows, device="meta"))
+    return (torch.empty(shape, dtype=quant.FP8_DTYPE, device="meta"),
+            torch.empty(*lead, -(-rows // block[0]), -(-cols // block[1]), device="meta"))
+
+
+def _hinted(loads: list[str], hint: str) -> list[str]:
+    """The loads among ``loads`` (SASS opcodes) with the eviction ``hint`` (``EF``: weights,
+    ``EL``: ``x``)."""
+    return [load for load in loads if hint in load.split(".")]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("fmt", PDL_FORMATS)
+@pytest.mark.parametrize("case", PDL_GEMV_CASES.values(), ids=PDL_GEMV_CASES.keys())
+def test_gemv_pdl_sass(case, fmt, bias, monkeypatch):
+    """The 8-bit GEMV compiled for sm_90 as launched (inline-PTX int8 conversion), with
+    ``USE_PDL``: one ``griddepcontrol.launch_dependents`` (``PREEXIT``) then one unpredicated
+    ``griddepcontrol.wait`` (``ACQBULK``), no branch, exit, store or atomic before it, and
+    before it only the first step's weight tile, all of it (8-byte ``LDG.E.EF``: ``BLOCK_N``
+    rows x ``BLOCK_K / (8 x 32 x num_warps)`` chunks per thread), and its scales (no hint):
+    ``x`` (``evict_last``) loads after it; no spill. Without, neither instruction."""
+    from qllm_kernels_int8.triton_gemv import gemv_8bit
+
+    m, n, k = case
+    x = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
+    b = torch.empty(n, dtype=torch.bfloat16, device="meta") if bias else None
+
+    def launch():
+        return gemv_8bit(x, *_meta_8bit(fmt, n, k), b, PDL_FORMATS[fmt], fast_int8=True)
+
+    (summary,) = sass_summaries(launch, True, monkeypatch)
+    before = summary["loads_before_wait"]
+    assert summary == dict(spill_bytes=0, waits=1, launch_dependents=1, wait_unpredicated=True,
+                           launch_dependents_first=True, loads_before_wait=before,
+                           stores_before_wait=[], control_before_wait=[],
+                           loads_after_wait=summary["loads_after_wait"]), summary
+    config = gemv_configs.default_config(m, n, k)
+    chunks = config.BLOCK_K // (gemv_configs.VECTOR * 32 * config.num_warps)
+    assert len(_hinted(before, "EF")) == config.BLOCK_N * chunks, summary
+    assert not _hinted(before, "EL") and len(_hinted(before, "EF")) < len(before), summary
+    assert len(_hinted(summary["loads_after_wait"], "EL")) >= m * chunks, summary
+    (summary,) = sass_summaries(launch, False, monkeypatch)
+    assert summary["waits"] == summary["launch_dependents"] == 0, summary
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("fmt", PDL_FORMATS)
+@pytest.mark.parametrize("gemm", ["gate_up", "down"])
+def test_slot_moe_pdl_sass(gemm, fmt, monkeypatch):
+    """The slot MoE's gate-up and down kernels at one token of Qwen3.5-35B-A3B (9 slots),
+    compiled for sm_90 as launched: with PDL each waits at entry, before any load or store
+    (``qllm.testing.pdl.assert_pdl_sass``); without, no grid-dependency-control
+    instruction."""
+    from qllm_kernels_int8.triton_slot_moe import slot_down_8bit, slot_gate_up_8bit
+
+    experts, hidden, inter, slots = 256, 2048, 512, 9
+    config, block = gemv_configs.slot_moe_config(slots, inter, hidden), PDL_FORMATS[fmt]
+    ids = torch.empty(1, slots, dtype=torch.int64, device="meta")
+    if gemm == "gate_up":
+        op, tiles = slot_gate_up_8bit, config.up
+        args = (torch.empty(1, hidden, dtype=torch.bfloat16, device="meta"),
+                _meta_8bit(fmt, experts, 2 * inter, hidden), _meta_8bit(fmt, 2 * inter, hidden),
+                ids)
+    else:
+        op, tiles = slot_down_8bit, config.down
+        args = (torch.empty(slots, inter, dtype=torch.bfloat16, device="meta"),
+                _meta_8bit(fmt, experts, hidden, inter), _meta_8bit(fmt, hidden, inter),
+                torch.empty(1, slots, dtype=torch.bfloat16, device="meta"), ids)
+    assert_pdl_sass(lambda: op(*args, tiles, block, fast_int8=True), monkeypatch)
+
+
 @interpreter_driver
 def test_triton_interpreter():
     """Runs the ``interpreted`` tests below on the CPU, in a subprocess with the interpreter."""
@@ -678,6 +767,40 @@ def test_moe_parity_35b_shape(tokens):
         else:
             expected = quant.fused_moe_fp8_w8a8_reference(*args)
         _close(ops.fused_moe_fp8_block(*args), expected, torch.bfloat16)
+
+
+@cuda
+@pytest.mark.parametrize("fmt", PDL_FORMATS)
+@pytest.mark.parametrize("step", ["gemv", "slot_moe", "gemv+slot_moe"])
+def test_pdl_decode_in_cuda_graph(step, fmt, monkeypatch):
+    """With ``QLLM_PDL`` on, at one token of Qwen3.5-35B-A3B: the 8-bit GEMV (a 2,048 x 2,048
+    projection), the slot MoE (gate-up then down) and the GEMV feeding the MoE, eagerly and in
+    a CUDA graph replayed 100 times, give the bits of PDL off."""
+    from qllm_kernels_int8.triton_moe import moe_config
+
+    require_pdl_gpu()
+    block = PDL_FORMATS[fmt]
+    inputs = moe_inputs(1, 256, 2048, 512, 8, device="cuda")
+    assert moe_config(1, 256, 1024, 2048, 9, block).BLOCK_M == 1  # the slot path
+    w = _weights(2048, 2048).cuda()
+    if block is None:
+        moe_args, weight = _int8_moe_args(inputs), quant.quantize_int8_rows(w)
+        linear, fused_moe = functools.partial(ops.linear_w8a16, bias=None), ops.fused_moe_w8a16
+    else:
+        moe_args, weight = _fp8_moe_args(inputs, block), quant.quantize_fp8_blocks(w, block)
+        linear = functools.partial(ops.linear_fp8_block, bias=None, block_n=block[0],
+                                   block_k=block[1])
+        fused_moe = ops.fused_moe_fp8_block
+    torch.cuda.synchronize()  # the weights are written before PDL-launched kernels read them
+
+    def gemv(x=inputs.x):
+        return linear(x, *weight)
+
+    def slot_moe(x=inputs.x):
+        return fused_moe(x, *moe_args[1:])
+
+    steps = {"gemv": gemv, "slot_moe": slot_moe, "gemv+slot_moe": lambda: slot_moe(gemv())}
+    assert_graph_bits_equal(steps[step], monkeypatch)
 
 
 def test_int8_and_fp8_moe_tile_tables():
