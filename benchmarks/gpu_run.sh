@@ -163,7 +163,8 @@ for stage in "$@"; do
                  plugins/kernels_linear/tests/test_kernels_linear.py \
                  plugins/kernels_gdn/tests/test_kernels_gdn.py \
                  plugins/kernels_moe/tests/test_kernels_moe.py \
-                 plugins/kernels_attention/tests/test_kernels_attention.py ;;
+                 plugins/kernels_attention/tests/test_kernels_attention.py \
+                 plugins/kernels_int8/tests/test_kernels_int8.py ;;
         bench-int8) TAIL=${TAIL:-12} run bench_int8 300 python3 \
                         plugins/kernels_int8/benchmarks/bench_int8.py ;;
         bench-int8-sweep) TAIL=${TAIL:-6} run bench_int8_sweep 480 python3 \
