@@ -8,6 +8,7 @@ import time
 
 from qllm.runner import compile_cache
 from qllm.runner.compile_cache import CompileCache
+from qllm.runner.triton_compiles import TritonCompileLog
 
 # dynamo's timer of a whole frame's compile (tracing, AOT autograd, Inductor, cache loads),
 # in torch 2.11 and 2.13 alike
@@ -31,7 +32,8 @@ class StartupReport:
     the first decode graph's warm-up run), so each phase's seconds here leave out the compile
     time within it, which is reported as ``compile`` instead. The cache's lookups are counted
     from construction to each ``summary``: on CPU, where nothing is compiled until the first
-    request, ask after it."""
+    request, ask after it. Triton's own compiles (``TritonCompileLog``: the plugins' kernels
+    and the libraries' they launch) are counted from construction to ``ready``."""
 
     def __init__(self, cache: CompileCache):
         self.cache = cache
@@ -41,6 +43,7 @@ class StartupReport:
         self._compiled_before = compile_seconds_so_far()
         self._lookups_before = compile_cache.lookups()
         self._triton_entries_before = cache.triton_entries()
+        self.triton_compiles = TritonCompileLog().start()
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -58,6 +61,7 @@ class StartupReport:
         """Mark the engine ready (the time not in any phase or compiling becomes phase
         ``other``); returns the start-up line to log."""
         self.ready_seconds = time.perf_counter() - self.started
+        self.triton_compiles.stop()
         compiled = compile_seconds_so_far()
         compiling = 0.0 if compiled is None else compiled - self._compiled_before
         self.phase_seconds["other"] = (self.ready_seconds - compiling
@@ -68,7 +72,7 @@ class StartupReport:
         """Start-up seconds (to ``ready``) and per phase, the torch.compile seconds since
         construction (None where torch does not time them), and the compile cache: its
         folder, state, torch's lookups and the Triton cache entries added since
-        construction."""
+        construction, and Triton's compiles to ``ready`` (``TritonCompileLog.summary``)."""
         compiled = compile_seconds_so_far()
         lookups = compile_cache.lookups_since(self._lookups_before)
         entries = self.cache.triton_entries()
@@ -84,6 +88,7 @@ class StartupReport:
                 "new_triton_entries": None if entries is None
                 else entries - self._triton_entries_before,
             },
+            "triton_jit": self.triton_compiles.summary(),
         }
 
     def line(self) -> str:
@@ -94,6 +99,8 @@ class StartupReport:
         compiled = summary["compile_seconds"]
         parts.append("compile " + ("(untimed by this torch)" if compiled is None
                                    else f"{compiled:.1f} s"))
+        if summary["triton_jit"]["compiled"] or summary["triton_jit"]["cached"]:
+            parts.append(self.triton_compiles.line())
         cache = summary["compile_cache"]
         lookups = "; ".join(f"{name.replace('_', ' ')} {counts['hits']} hits, "
                             f"{counts['misses']} misses"
