@@ -58,6 +58,10 @@
 #   max_model_len=4096 (the outside harness's settings); w2-int8, w2-fp8, w3-int8, w3-fp8:
 #   W2 / W3 with 8-bit weights (qllm-kernels-int8; w2-int8-experts, w2-fp8-experts: on the
 #   experts alone);
+#   startup-w2-cold: W2's start-up alone, twice, each on an emptied compile cache
+#   (QLLM_CACHE_DIR=/tmp/qllm-startup-N): autotuned kernels' configs compiled one by one
+#   (QLLM_PARALLEL_AUTOTUNE=0), then in parallel (the default); the start-up lines say what
+#   Triton compiled;
 #   w2-no-prefix-cache: W2 with the hybrid prefix cache off (0 state checkpoints; on by
 #   default, as in w2); prefix-cache:
 #   prefix_cache.py (64 requests sharing a 4,000-token prompt, cache off then on);
@@ -200,6 +204,12 @@ for stage in "$@"; do
         w2) run w2 360 python3 benchmarks/throughput.py --workload w2 --max-num-seqs 200 \
                 --max-model-len 3072 --recurrent-state-dtype bfloat16 \
                 --profile-decode 200 2000 --profile-out "$out" ;;
+        startup-w2-cold) for mode in 0 1; do  # parallel autotune off, then on; caches emptied
+                QLLM_PARALLEL_AUTOTUNE=$mode QLLM_CACHE_DIR=/tmp/qllm-startup-$mode \
+                    TAIL=2 run startup_w2_cold_parallel_$mode 300 python3 \
+                    benchmarks/throughput.py --workload w2 --max-num-seqs 200 \
+                    --max-model-len 3072 --recurrent-state-dtype bfloat16 --startup-only
+            done ;;
         w2-256) run w2_256 300 python3 benchmarks/throughput.py --workload w2 --max-num-seqs 256 \
                     --max-model-len 4096 --recurrent-state-dtype bfloat16 ;;
         w2-int8|w2-int8-experts|w2-fp8|w2-fp8-experts) run "${stage/-/_}" 360 python3 benchmarks/throughput.py --workload w2 \

@@ -13,7 +13,7 @@ start-up's split (``startup``: model load, compile, graph capture, warm-up, and 
 compile cache was cold or warm; ``QLLM_CACHE_DIR`` chooses the cache). With
 ``--profile-decode BATCH CONTEXT`` the same engine then profiles decode steps at that batch
 and context (``profile_step.py``; figures under ``decode_profile``, files under ``$OUT``),
-which saves a second start-up.
+which saves a second start-up; ``--startup-only`` stops after the start-up.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ def run_qllm(model_dir: str, prompts, params, args) -> dict:
               tensor_parallel_size=args.tensor_parallel_size)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     startup = time.perf_counter() - start
+    if args.startup_only:
+        return {"startup_seconds": round(startup, 1), "startup": llm.engine.startup.summary()}
     sampling = [SamplingParams(temperature=t, max_tokens=m, ignore_eos=True,
                                logprobs=args.logprobs) for m, t in params]
     result = {}
@@ -178,6 +180,8 @@ def main() -> int:
     parser.add_argument("--profile-decode", nargs=2, type=int, metavar=("BATCH", "CONTEXT"),
                         help="qllm: after the timed run, profile decode steps at this batch "
                              "and prompt length on the same engine")
+    parser.add_argument("--startup-only", action="store_true",
+                        help="qllm: time the start-up (to the first tokens) and stop")
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--profile-out", default=os.environ.get("OUT", "profile-out"))
     args = parser.parse_args()
@@ -204,8 +208,9 @@ def main() -> int:
                       quantization=args.quantization, logprobs=args.logprobs,
                       prefix_state_cache_slots=args.prefix_state_cache_slots,
                       tensor_parallel_size=args.tensor_parallel_size)
+    if "tokens" in result:
+        result["tok_per_s"] = round(result["tokens"] / result["seconds"], 1)
     result.update(engine=args.engine, workload=args.workload, prompts=len(prompts),
-                  tok_per_s=round(result["tokens"] / result["seconds"], 1),
                   peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                   gpu=torch.cuda.get_device_name(), torch=torch.__version__, commit=commit(),
                   num_layers=args.num_layers, date=time.strftime("%Y-%m-%d"))

@@ -22,6 +22,7 @@ from qllm.model.multimodal import MODALITIES, MediaError, MultimodalInputs, load
 from qllm.plugins.registry import PluginRegistry, default_registry
 from qllm.runner import compile_cache
 from qllm.runner.model_runner import ModelRunner, SampledStep
+from qllm.runner.parallel_autotune import parallel_autotune
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,14 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_positions}")
         self.config = config
+        # on CUDA, an autotuned kernel's configs compile in parallel at start-up (cold caches)
+        with parallel_autotune(enabled=self.device.type == "cuda"):
+            self._build(config, hf_config)
+        logger.info(self.startup.ready())
+
+    def _build(self, config: EngineConfig, hf_config) -> None:
+        """Load the model and set up its kernels, cache, runner, scheduler and tokenizer, then
+        warm up (on CUDA), each a timed start-up phase."""
         with self.startup.phase("kernels"):
             self.kernels = self.plugins.kernels(self.device, config.dtype, config.kernels)
         self.executor = None  # the workers of a tensor-parallel engine (qllm.distributed)
@@ -90,13 +99,13 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(config.model)
             # a multimodal model's media prompts (qllm.model.multimodal); None for text only
             self.input_processor = self.model.input_processor(config.model, self.tokenizer)
-        self.eos_token_ids = eos_token_ids(config.model, text_config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(config.model, hf_config.get_text_config(),
+                                           self.tokenizer)
         self.sequences: dict[str, Sequence] = {}
         self._in_flight: SampledStep | None = None  # launched, tokens not yet appended
         if config.warm_up and self.device.type == "cuda":
             with self.startup.phase("warm_up"):
                 self.warm_up()
-        logger.info(self.startup.ready())
 
     def warm_up(self) -> None:
         """Serve dummy prompts that fill one prefill step (``max_num_batched_tokens`` tokens,

@@ -1,0 +1,66 @@
+"""Compile every candidate config of a ``triton.autotune``d kernel at once, in threads, before
+Triton benchmarks them one by one.
+
+Triton's autotuner compiles each config as it first benchmarks it, so a cold start compiles a
+kernel's N configs in a row (fla's chunked gated delta rule kernels have 4 to 24 each). Triton's
+compiler spends its time outside the GIL, so compiling them from a thread pool takes about one
+config's time per core (Triton's own ``AsyncCompileMode`` does the submitting: a launch waits for
+its kernel). ``parallel_autotune`` wraps ``Autotuner.run`` for its duration: on a tuning key the
+autotuner has not seen, ``Autotuner.warmup`` (compile, no launch) of every pruned config runs
+under that mode first. A config that fails to compile is left for the benchmark, which times it
+as infinitely slow as it always did. With Triton's disk cache warm, the compiles are cache loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+SWITCH_ENV = "QLLM_PARALLEL_AUTOTUNE"  # "0" turns it off (to measure against)
+
+
+def _untuned(autotuner, args: tuple, kwargs: dict) -> bool:
+    """Whether ``autotuner.run(*args, **kwargs)`` will benchmark: it has several configs and
+    has not tuned this key (the argument values named in ``autotuner.keys`` and the dtypes of
+    the tensor arguments, as Triton keys them)."""
+    if len(autotuner.configs) <= 1:
+        return False
+    named = {**dict(zip(autotuner.arg_names, args)), **kwargs}
+    named = {name: value for name, value in named.items() if name in autotuner.arg_names}
+    key = [named[name] for name in autotuner.keys if name in named]
+    key += [str(value.dtype) for value in named.values() if hasattr(value, "dtype")]
+    return tuple(key) not in autotuner.cache
+
+
+@contextlib.contextmanager
+def parallel_autotune(workers: int | None = None, enabled: bool = True):
+    """Within the block, an autotuned Triton kernel's first run with a new tuning key compiles
+    all its configs in ``workers`` threads (default: the CPU count) before benchmarking them.
+    Does nothing unless ``enabled``, with ``QLLM_PARALLEL_AUTOTUNE=0``, where Triton lacks
+    ``AsyncCompileMode`` (before 3.4), or where an async compile is already active."""
+    if not enabled or os.environ.get(SWITCH_ENV, "1").strip() == "0":
+        yield
+        return
+    try:
+        from triton.runtime import _async_compile
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        yield
+        return
+    original_run = Autotuner.run
+    pool = ThreadPoolExecutor(workers or os.cpu_count() or 1, thread_name_prefix="qllm-autotune")
+
+    def run(self, *args, **kwargs):
+        if _async_compile.active_mode.get() is None and _untuned(self, args, kwargs):
+            compile_only = {name: value for name, value in kwargs.items() if name != "warmup"}
+            with _async_compile.AsyncCompileMode(pool, ignore_errors=True):
+                self.warmup(*args, **compile_only)
+        return original_run(self, *args, **kwargs)
+
+    Autotuner.run = run
+    try:
+        yield
+    finally:
+        Autotuner.run = original_run
+        pool.shutdown(wait=True)

@@ -1,0 +1,94 @@
+"""parallel_autotune: an autotuned kernel's configs compile together, under Triton's
+AsyncCompileMode, before the benchmark, once per tuning key. No GPU: the kernel's launches and
+compiles are recorded instead of run."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+_async_compile = pytest.importorskip("triton.runtime._async_compile")
+
+from qllm.runner.parallel_autotune import parallel_autotune  # noqa: E402
+from qllm.testing.kernels import cuda  # noqa: E402
+
+
+def _autotuned(events: list):
+    """An autotuned kernel of two configs whose launches (``fn.run``) and compiles
+    (``fn.warmup``) append to ``events``; timings come from a stub benchmarker."""
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, n, BLOCK: tl.constexpr):
+        tl.store(x_ptr + tl.arange(0, BLOCK), 0.0)
+
+    def run(*args, grid, warmup, **kwargs):
+        mode = _async_compile.active_mode.get()
+        events.append(("compile" if warmup else "launch", kwargs["BLOCK"], mode is not None))
+
+    kernel.run = run
+    configs = [triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})]
+    return triton.autotune(configs, key=["n"],
+                           do_bench=lambda call, quantiles: (call(), [1.0, 1.0, 1.0])[1])(kernel)
+
+
+def test_configs_compile_under_async_mode_before_the_benchmark_once_per_key():
+    events = []
+    kernel = _autotuned(events)
+    with parallel_autotune(workers=2):
+        kernel[(1,)](None, 64)
+        first = list(events)
+        kernel[(1,)](None, 64)  # tuned key: launched, nothing compiled ahead
+        second = events[len(first):]
+        kernel[(1,)](None, 128)  # a new key
+    assert first[:2] == [("compile", 16, True), ("compile", 32, True)]
+    assert all(kind == "launch" and not in_mode for kind, _, in_mode in first[2:])
+    assert len(first) == 2 + 2 + 1  # two compiles, two benchmark launches, the launch
+    assert [kind for kind, _, _ in second] == ["launch"]
+    assert [kind for kind, _, _ in events[len(first) + 1:]][:2] == ["compile", "compile"]
+
+
+def test_autotuner_is_put_back_after_the_block():
+    from triton.runtime.autotuner import Autotuner
+
+    original = Autotuner.run
+    with parallel_autotune(workers=1):
+        assert Autotuner.run is not original
+    assert Autotuner.run is original
+    events = []
+    _autotuned(events)[(1,)](None, 64)
+    assert [kind for kind, _, _ in events] == ["launch"] * 3
+
+
+@cuda
+def test_real_kernel_compiles_its_configs_ahead_and_computes_the_same():
+    import torch
+    import triton.language as tl
+
+    from qllm.runner.triton_compiles import TritonCompileLog
+
+    @triton.autotune([triton.Config({"BLOCK": block}, num_warps=warps)
+                      for block in (64, 128) for warps in (1, 2)], key=["n"])
+    @triton.jit
+    def scale(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n) * 3,
+                 mask=offsets < n)
+
+    x = torch.randn(1000, device="cuda")
+    out = torch.empty_like(x)
+    log = TritonCompileLog().start()
+    with parallel_autotune(workers=4):
+        scale[lambda meta: (triton.cdiv(1000, meta["BLOCK"]),)](x, out, 1000)
+    log.stop()
+    torch.testing.assert_close(out, x * 3)
+    assert log.summary()["compiled"] + log.summary()["cached"] == 4
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    from triton.runtime.autotuner import Autotuner
+
+    monkeypatch.setenv("QLLM_PARALLEL_AUTOTUNE", "0")
+    original = Autotuner.run
+    with parallel_autotune(workers=1):
+        assert Autotuner.run is original
