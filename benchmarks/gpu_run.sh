@@ -19,9 +19,9 @@
 #   pdl: programmatic dependent launch (QLLM_PDL, qllm/plugins/pdl.py) of the decode path's
 #   kernels: bench_pdl.py (a 40-layer decode step's GEMV chain in a CUDA graph, PDL off, on,
 #   cuBLAS; then with --chain gemv, the GEMVs alone, every kernel PDL-launched), then the PDL
-#   tests (bits equal to PDL off, CUDA-graph replays, the SASS); QLLM_PDL=1 in the environment
-#   runs any stage with it (the end-to-end measure: QLLM_PDL=1 bash benchmarks/gpu_run.sh w3,
-#   against a plain w3 in the same call);
+#   tests (bits equal to PDL off, CUDA-graph replays, the SASS); PDL is on in steps of at most
+#   16 rows unless QLLM_PDL=0 in the environment (the end-to-end measure:
+#   QLLM_PDL=0 bash benchmarks/gpu_run.sh w3, against a plain w3 in the same call);
 #   bench-int8: the 8-bit kernels against bf16 at those shapes (1 and 200 rows) and the MoE
 #   (1 and 4 tokens), JSON lines, then decode_step lines (W3's dense + MoE time per format);
 #   bench-int8-sweep: the 8-bit GEMV's launch-config sweep at one row (best per shape);

@@ -29,8 +29,8 @@ if HAS_TRITON:
 
 
 def test_pdl_switch():
-    """``QLLM_PDL``: ``1`` on; unset, empty or ``0`` off; anything else refused."""
-    assert pdl.pdl_switch("1") and not any(pdl.pdl_switch(value) for value in (None, "", "0"))
+    """``QLLM_PDL``: ``0`` off; unset, empty or ``1`` on; anything else refused."""
+    assert all(pdl.pdl_switch(value) for value in (None, "", "1")) and not pdl.pdl_switch("0")
     for value in ("true", "2", "on"):
         with pytest.raises(ValueError, match="QLLM_PDL"):
             pdl.pdl_switch(value)
@@ -39,18 +39,20 @@ def test_pdl_switch():
 def test_launch_arguments(monkeypatch):
     """With PDL: ``USE_PDL`` and ``launch_pdl``; without, ``USE_PDL=False`` and no option (the
     launch of a kernel without PDL). On the CPU, and under the interpreter on any device, PDL
-    stays off whatever the switch says."""
+    stays off whatever the switch says; by the switch it is on for launches of at most
+    ``PDL_MAX_ROWS`` rows, and an explicit ``pdl`` overrides both."""
     assert pdl.launch_options(True) == dict(launch_pdl=True) and pdl.launch_options(False) == {}
     monkeypatch.setattr(pdl, "PDL", True)
-    cpu = torch.device("cpu")
-    assert not pdl.use_pdl(cpu) and pdl.pdl_arguments(cpu) == dict(USE_PDL=False)
+    cpu, few, many = torch.device("cpu"), pdl.PDL_MAX_ROWS, pdl.PDL_MAX_ROWS + 1
+    assert not pdl.use_pdl(cpu, 1) and pdl.pdl_arguments(cpu, 1) == dict(USE_PDL=False)
     if INTERPRETING:
         assert not pdl.pdl_available(torch.device("cuda"))
     monkeypatch.setattr(pdl, "pdl_available", lambda device: True)
-    assert pdl.pdl_arguments(cpu) == dict(USE_PDL=True, launch_pdl=True)
-    assert not pdl.use_pdl(cpu, pdl=False)
+    assert pdl.pdl_arguments(cpu, few) == dict(USE_PDL=True, launch_pdl=True)
+    assert pdl.pdl_arguments(cpu, many) == dict(USE_PDL=False)
+    assert not pdl.use_pdl(cpu, 1, pdl=False) and pdl.use_pdl(cpu, many, pdl=True)
     monkeypatch.setattr(pdl, "PDL", False)
-    assert pdl.pdl_arguments(cpu) == dict(USE_PDL=False) and pdl.use_pdl(cpu, pdl=True)
+    assert pdl.pdl_arguments(cpu, 1) == dict(USE_PDL=False) and pdl.use_pdl(cpu, 1, pdl=True)
 
 
 def test_pdl_enter_sass(monkeypatch):
@@ -61,7 +63,7 @@ def test_pdl_enter_sass(monkeypatch):
 
     def launch():
         src, dst = (torch.empty(128, device="meta") for _ in range(2))
-        _scale_kernel[(1,)](src, dst, BLOCK=128, num_warps=1, **pdl.pdl_arguments(src.device))
+        _scale_kernel[(1,)](src, dst, BLOCK=128, num_warps=1, **pdl.pdl_arguments(src.device, 1))
 
     assert_pdl_sass(launch, monkeypatch)
 

@@ -1,10 +1,16 @@
-"""Programmatic dependent launch (PDL) of the kernel plugins' Triton kernels, opt-in.
+"""Programmatic dependent launch (PDL) of the kernel plugins' Triton kernels in small decode
+steps.
 
-``QLLM_PDL=1`` in the environment (read once, at import: ``PDL``; unset, empty or ``0``: off)
-launches the decode path's Triton kernels with ``launch_pdl=True`` on Hopper and later GPUs:
-a kernel's programs may start while the previous kernel on the stream is still finishing (in a
-CUDA graph, a programmatic edge), so the launch and ramp-up of each kernel hide behind the tail
-of the one before.
+The decode path's Triton kernels launch with ``launch_pdl=True`` on Hopper and later GPUs when
+they serve at most ``PDL_MAX_ROWS`` rows (tokens or sequences): a kernel's programs may start
+while the previous kernel on the stream is still finishing (in a CUDA graph, a programmatic
+edge), so the launch and ramp-up of each kernel hide behind the tail of the one before. That
+pays where kernels are short: W3 (one sequence) decoded at 385.7 against 368.6 tok/s in bf16
+and 454.8 against 386.9 with int8 weights. In large steps it does not: at W2's 200 sequences
+the GDN recurrence (102,400 one-warp programs, each waiting at entry) took 124.6 us against
+107.2 and W2 lost 2% (7,671 against 7,824 tok/s), W1's 256-sequence step 1.5% (all on one
+H200, 2026-12-03). ``QLLM_PDL=0`` in the environment (read once, at import: ``PDL``) turns it
+off everywhere; unset, empty or ``1``: on.
 
 Each such kernel takes a ``USE_PDL: tl.constexpr`` and, with it, on the path every thread runs,
 first lets the next PDL-launched kernel launch (``gdc_launch_dependents``), then waits for the
@@ -15,8 +21,8 @@ what orders it after every kernel before its predecessor. Only parameters no ker
 step writes (model weights) may be read before it (the GEMV reads its first weight tile so).
 Without ``USE_PDL`` the constexpr prunes it all and a kernel compiles to its code without PDL.
 
-Launchers call ``pdl_arguments(device)`` (or ``use_pdl`` and ``launch_options``): PDL is on
-where the switch is and ``pdl_available`` (never on the CPU nor under the Triton interpreter,
+Launchers call ``pdl_arguments(device, rows)`` (or ``use_pdl`` and ``launch_options``): PDL is
+on where the switch is, the rows are few enough and ``pdl_available`` (never on the CPU nor under the Triton interpreter,
 which runs no inline PTX). Kernels launched without PDL (Inductor's, cuBLAS) keep the stream's
 full ordering: a PDL-launched kernel after one starts when it has completed, and one after a
 PDL-launched kernel waits for all of it.
@@ -36,14 +42,16 @@ PDL_ENV = "QLLM_PDL"
 
 
 def pdl_switch(value: str | None) -> bool:
-    """``QLLM_PDL``'s value as the switch: ``1`` on; unset, empty or ``0`` off."""
+    """``QLLM_PDL``'s value as the switch: ``0`` off; unset, empty or ``1`` on."""
     if value not in (None, "", "0", "1"):
         raise ValueError(f"{PDL_ENV}={value!r}: 1 (programmatic dependent launch) or 0")
-    return value == "1"
+    return value != "0"
 
 
 # Launch the decode path's kernels with programmatic dependent launch where the device allows.
 PDL = pdl_switch(os.environ.get(PDL_ENV))
+# ... in launches of at most this many rows (tokens or sequences): the latency-bound steps
+PDL_MAX_ROWS = 16
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -60,10 +68,12 @@ def pdl_available(device: torch.device) -> bool:
                                  else torch.cuda.current_device()))
 
 
-def use_pdl(device: torch.device, pdl: bool | None = None) -> bool:
-    """Whether to launch on ``device`` with PDL: ``pdl`` (default: the switch, ``PDL``) where
+def use_pdl(device: torch.device, rows: int, pdl: bool | None = None) -> bool:
+    """Whether to launch a kernel serving ``rows`` rows (tokens or sequences) on ``device``
+    with PDL: ``pdl`` (default: the switch, ``PDL``, for at most ``PDL_MAX_ROWS`` rows) where
     ``pdl_available``."""
-    return (PDL if pdl is None else pdl) and pdl_available(device)
+    wanted = PDL and rows <= PDL_MAX_ROWS if pdl is None else pdl
+    return wanted and pdl_available(device)
 
 
 def launch_options(pdl: bool) -> dict:
@@ -72,10 +82,10 @@ def launch_options(pdl: bool) -> dict:
     return dict(launch_pdl=True) if pdl else {}
 
 
-def pdl_arguments(device: torch.device) -> dict:
-    """The keyword arguments of a launch on ``device``: the kernel's ``USE_PDL`` and, with
-    PDL, ``launch_pdl``."""
-    pdl = use_pdl(device)
+def pdl_arguments(device: torch.device, rows: int) -> dict:
+    """The keyword arguments of a launch serving ``rows`` rows on ``device``: the kernel's
+    ``USE_PDL`` and, with PDL (``use_pdl``), ``launch_pdl``."""
+    pdl = use_pdl(device, rows)
     return dict(USE_PDL=pdl, **launch_options(pdl))
 
 

@@ -6,6 +6,7 @@ forced on or off, where a kernel's SASS compiled for sm_90 waits (``gdc_summary`
 
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import pytest
@@ -27,11 +28,12 @@ WAIT_AT_ENTRY = dict(spill_bytes=0, waits=1, launch_dependents=1, wait_unpredica
 
 
 def force_pdl(monkeypatch: pytest.MonkeyPatch, on: bool, anywhere: bool = False) -> None:
-    """Switch PDL on or off as ``QLLM_PDL`` would; with ``anywhere``, on every device too (the
-    ``meta`` tensors of a launch captured for ``compile_for_sm90``)."""
+    """Switch PDL on or off as ``QLLM_PDL`` would, on at any row count; with ``anywhere``, on
+    every device too (the ``meta`` tensors of a launch captured for ``compile_for_sm90``)."""
     from qllm.plugins import pdl
 
     monkeypatch.setattr(pdl, "PDL", on)
+    monkeypatch.setattr(pdl, "PDL_MAX_ROWS", sys.maxsize)
     if anywhere:
         monkeypatch.setattr(pdl, "pdl_available", lambda device: True)
 

@@ -10,7 +10,7 @@ directly and stage 2 is skipped.
 
 ``num_splits`` depends only on shapes (batch, kv heads, block-table width) and the GPU's SM
 count, never on values, so the launch is free of host syncs and capturable in a CUDA graph.
-With ``QLLM_PDL=1`` both stages are launched with programmatic dependent launch and wait for
+In small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) both stages are launched with programmatic dependent launch and wait for
 the previous kernel at entry (``qllm.plugins.pdl.pdl_enter``).
 """
 
@@ -151,7 +151,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits = choose_num_splits(batch, kv_heads, block_tables.shape[1] * page, head_dim,
                                        q.device)
     out = q.new_empty(batch, q_heads, head_dim)
-    pdl = pdl_arguments(q.device)
+    pdl = pdl_arguments(q.device, batch)
     if num_splits == 1:
         part, lse = out[:, :, None, :], out  # [B, Hq, 1, D]; lse is not written
     else:

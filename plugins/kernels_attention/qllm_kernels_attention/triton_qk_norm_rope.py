@@ -13,7 +13,7 @@ in fp32, a plain one multiplies ``x_hat`` rounded to the input dtype. The rotati
 and sin rounded to the input dtype and computes in fp32, rounding once at the store (as
 Inductor compiles the reference; eager torch rounds each product).
 
-With ``QLLM_PDL=1`` it is launched with programmatic dependent launch and waits for the
+In small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) it is launched with programmatic dependent launch and waits for the
 previous kernel at entry (``qllm.plugins.pdl.pdl_enter``).
 """
 
@@ -116,5 +116,5 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
         HALF=half, HALF_PAD=triton.next_power_of_2(half), REST=rest,
         REST_PAD=triton.next_power_of_2(max(rest, 1)), BLOCK_H=block_h,
         ZERO_CENTERED=zero_centered, num_warps=1 if block_h == 1 else 4,
-        **pdl_arguments(q.device))
+        **pdl_arguments(q.device, tokens))
     return q_out, k_out

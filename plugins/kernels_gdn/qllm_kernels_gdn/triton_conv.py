@@ -17,7 +17,7 @@ one coalesced vector. Math in fp32; outputs in ``x.dtype``, state in its own dty
   tensor values (no host sync). A second launch writes the new states once every conv program
   has read the old ones.
 
-With ``QLLM_PDL=1`` the decode kernel is launched with programmatic dependent launch and waits
+In small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) the decode kernel is launched with programmatic dependent launch and waits
 for the previous kernel at entry (``qllm.plugins.pdl.pdl_enter``); the prefill kernels are not.
 """
 
@@ -156,7 +156,7 @@ def conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), out.stride(0),
         KERNEL=weight.shape[1], BLOCK_C=block_c, num_warps=num_warps,
-        **pdl_arguments(x.device))
+        **pdl_arguments(x.device, batch))
     return out
 
 

@@ -6,7 +6,7 @@ the variance and a pointwise kernel for the rest (5.0 + 3.3 us per layer at W2's
 1.3 + 1.4 us at batch 1). Here one program normalises ``BLOCK_R`` rows of ``D`` (a row is one
 value head of one token) and applies weight and gate, with transformers' casts: ``x_hat`` in
 fp32, cast to the input dtype, times the weight in that dtype, times ``silu(gate)`` in fp32.
-With ``QLLM_PDL=1`` it is launched with programmatic dependent launch and waits for the
+In small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) it is launched with programmatic dependent launch and waits for the
 previous kernel at entry (``qllm.plugins.pdl.pdl_enter``).
 """
 
@@ -62,5 +62,5 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
         x, gate, weight, out, rows, heads, eps,
         x.stride(0), x.stride(1), gate.stride(0), gate.stride(1),
         D=dim, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=NUM_WARPS,
-        **pdl_arguments(x.device))
+        **pdl_arguments(x.device, tokens))
     return out

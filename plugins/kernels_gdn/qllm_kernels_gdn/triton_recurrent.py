@@ -21,7 +21,7 @@ sequence, token ``i`` of sequence ``i``) and varlen prefill (tokens split at ``c
 share the kernel; prefill walks each sequence sequentially, the fallback where fla's chunked
 kernels are missing.
 
-With ``QLLM_PDL=1`` the kernel (decode and prefill alike) is launched with programmatic
+In small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) the kernel (decode and prefill alike) is launched with programmatic
 dependent launch and waits for the previous kernel at entry (``qllm.plugins.pdl.pdl_enter``).
 """
 
@@ -163,5 +163,5 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
         GROUP=num_v_heads // q.shape[1], DK=dk, DV=dv,
         BK=triton.next_power_of_2(dk), BV=block_v, VARLEN=cu_seqlens is not None,
-        num_warps=num_warps, **pdl_arguments(v.device))
+        num_warps=num_warps, **pdl_arguments(v.device, tokens))
     return out

@@ -25,7 +25,7 @@ block).
 
 Launch parameters: ``gemv_configs``. The launch depends on shapes only (no host sync).
 
-With ``QLLM_PDL=1`` (``qllm.plugins.pdl``) the GEMV is launched with programmatic dependent
+In small decode steps (``qllm.plugins.pdl``) the GEMV is launched with programmatic dependent
 launch, as kernels_linear's bf16 GEMV: it lets the next kernel launch, issues the loads of its
 first ``BLOCK_K`` weight columns and their scales (parameters), then waits for the previous
 kernel (``gdc_wait``, unconditional) before it loads ``x`` or stores; without it the constexpr
@@ -171,5 +171,5 @@ def gemv_8bit(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         SCALE_BLOCK_K=scale_block_k(block), HAS_BIAS=bias is not None,
         FAST_INT8=x.is_cuda if fast_int8 is None else fast_int8, BLOCK_M=block_m(m),
         BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, NUM_STAGES=config.num_stages,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_arguments(x.device))
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_arguments(x.device, m))
     return out

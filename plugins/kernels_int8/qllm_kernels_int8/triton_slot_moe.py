@@ -110,14 +110,14 @@ def _weight_args(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | 
 
 
 def _options(config: GemmConfig, block: tuple[int, int] | None, fast_int8: bool | None,
-             a: torch.Tensor) -> dict:
+             a: torch.Tensor, tokens: int) -> dict:
     """The kernels' constexprs and launch options (``fast_int8`` default: on CUDA; PDL:
-    ``pdl_arguments``)."""
+    ``pdl_arguments`` for ``tokens`` tokens)."""
     return dict(SCALE_BLOCK_K=scale_block_k(block),
                 FAST_INT8=a.is_cuda if fast_int8 is None else fast_int8,
                 BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, NUM_STAGES=config.num_stages,
                 num_warps=config.num_warps, num_stages=config.num_stages,
-                **pdl_arguments(a.device))
+                **pdl_arguments(a.device, tokens))
 
 
 def slot_gate_up_8bit(x: torch.Tensor, w13: tuple[torch.Tensor, torch.Tensor],
@@ -136,7 +136,7 @@ def slot_gate_up_8bit(x: torch.Tensor, w13: tuple[torch.Tensor, torch.Tensor],
     _slot_gate_up_kernel[grid](
         x, w, shared_w, scale, shared_scale, topk_ids, hidden, w.shape[0], inter, x.shape[1],
         x.stride(0), *_weight_args(w, scale, block), TOP_K=top_k,
-        **_options(config, block, fast_int8, x))
+        **_options(config, block, fast_int8, x, tokens))
     return hidden
 
 
@@ -157,5 +157,5 @@ def slot_down_8bit(hidden: torch.Tensor, w2: tuple[torch.Tensor, torch.Tensor],
     _slot_down_kernel[grid](
         hidden, w, shared_w, scale, shared_scale, topk_ids, topk_weights, out, w.shape[0],
         hidden_size, inter, *_weight_args(w, scale, block),
-        **_options(config, block, fast_int8, hidden))
+        **_options(config, block, fast_int8, hidden, topk_ids.shape[0]))
     return out

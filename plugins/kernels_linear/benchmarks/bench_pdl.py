@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL, ``QLLM_PDL=1``) for the GEMV, off against on.
+"""Programmatic dependent launch (PDL, ``qllm.plugins.pdl``) for the GEMV, off against on.
 
 A micro-benchmark: a CUDA graph of one decode step's GEMV chain at one row, replayed with PDL
 off and on.

@@ -37,7 +37,7 @@ def linear_inputs(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
 
     inputs = LinearInputs(randn(m, k), randn(n, k, scale=k ** -0.5), randn(n) if bias else None)
     if torch.device(device).type == "cuda":
-        # a GEMV launched with PDL (``QLLM_PDL=1``) reads its weight before waiting for the
+        # a GEMV launched with PDL (``qllm.plugins.pdl``) reads its weight before waiting for the
         # previous kernel, which may be the one that wrote it here
         torch.cuda.synchronize(device)
     return inputs

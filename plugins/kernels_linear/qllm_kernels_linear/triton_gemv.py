@@ -12,8 +12,8 @@ see ``configs``, ``x``'s own load layout is the product's too). Bias is added in
 epilogue; the output is rounded once to ``x.dtype``. The launch depends on shapes only (no
 host sync).
 
-Programmatic dependent launch (PDL), opt-in: ``QLLM_PDL=1``, the switch every plugin's
-decode-path kernels share (``qllm.plugins.pdl``), launches the kernel with ``launch_pdl=True``
+Programmatic dependent launch (PDL), in small decode steps by the switch every plugin's
+decode-path kernels share (``qllm.plugins.pdl``: on unless ``QLLM_PDL=0``), launches the kernel with ``launch_pdl=True``
 on Hopper and later GPUs, so its programs may start while the previous kernel on the stream is
 still finishing (in a CUDA graph, a programmatic edge). Where the other kernels enter through
 ``pdl_enter`` (launch dependents, then wait, before any memory access), the GEMV, with
@@ -122,7 +122,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"gemv: bias of shape {tuple(bias.shape)} for {n} output features")
     config = config or default_config(m, n, k)
-    pdl = use_pdl(x.device, pdl)
+    pdl = use_pdl(x.device, m, pdl)
     out = x.new_empty(m, n)
     grid, args, options = gemv_launch(x, weight, bias, out, config, pdl)
     _gemv_kernel[grid](**args, **options)

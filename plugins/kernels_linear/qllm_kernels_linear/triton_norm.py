@@ -7,7 +7,7 @@ It takes the place of the kernel Inductor fuses from the same add and norm under
 the add in fp32 rounded once, ``x_hat`` in fp32, a plain weight multiplying ``x_hat`` rounded
 to the input dtype, a zero-centred one multiplying in fp32.
 
-With ``QLLM_PDL=1`` it is launched with programmatic dependent launch and waits for the
+In small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) it is launched with programmatic dependent launch and waits for the
 previous kernel at entry (``qllm.plugins.pdl.pdl_enter``).
 """
 
@@ -72,5 +72,5 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
             partials, residual, weight, out, summed, eps, partials.stride(0),
             partials.stride(1), residual.stride(0), PARTS=parts, D=dim,
             BLOCK_D=triton.next_power_of_2(dim), ZERO_CENTERED=zero_centered,
-            num_warps=NUM_WARPS, **pdl_arguments(residual.device))
+            num_warps=NUM_WARPS, **pdl_arguments(residual.device, rows))
     return out, summed

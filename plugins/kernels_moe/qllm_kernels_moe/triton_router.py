@@ -64,5 +64,5 @@ def moe_router_triton(logits: torch.Tensor, top_k: int,
         _router_kernel[(tokens,)](
             logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
             K_PAD=triton.next_power_of_2(top_k + 1), E_PAD=triton.next_power_of_2(num_experts),
-            RENORMALIZE=renormalize, num_warps=ROUTER_WARPS, **pdl_arguments(logits.device))
+            RENORMALIZE=renormalize, num_warps=ROUTER_WARPS, **pdl_arguments(logits.device, tokens))
     return weights, ids

@@ -114,7 +114,7 @@ def slot_gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor,
         x, w13, shared_w13, topk_ids, hidden, w13.shape[0], inter, x.shape[1],
         x.stride(0), w13.stride(0), w13.stride(1), TOP_K=top_k,
         BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_arguments(x.device))
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_arguments(x.device, tokens))
     return hidden
 
 
@@ -132,5 +132,5 @@ def slot_down(hidden: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor,
         hidden, w2, shared_w2, topk_ids, topk_weights, out, w2.shape[0], hidden_size, inter,
         w2.stride(0), w2.stride(1), BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
         num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_arguments(hidden.device))
+        **pdl_arguments(hidden.device, topk_ids.shape[0]))
     return out
