@@ -57,7 +57,7 @@
 #   w2-fp32-state runs W2 with the fp32 default; w2-256: W2 at max_num_seqs=256 and
 #   max_model_len=4096 (the outside harness's settings); w2-int8, w2-fp8, w3-int8, w3-fp8:
 #   W2 / W3 with 8-bit weights (qllm-kernels-int8; w2-int8-experts, w2-fp8-experts: on the
-#   experts alone);
+#   experts alone; w3-int8 and w3-fp8 profile their decode step into $OUT/w3-int8, -fp8);
 #   startup-w2-cold: W2's start-up alone, twice, each on an emptied compile cache
 #   (QLLM_CACHE_DIR=/tmp/qllm-startup-N): autotuned kernels' configs compiled one by one
 #   (QLLM_PARALLEL_AUTOTUNE=0), then in parallel (the default); the start-up lines say what
@@ -215,9 +215,11 @@ for stage in "$@"; do
         w2-int8|w2-int8-experts|w2-fp8|w2-fp8-experts) run "${stage/-/_}" 360 python3 benchmarks/throughput.py --workload w2 \
                             --max-num-seqs 200 --max-model-len 3072 --recurrent-state-dtype \
                             bfloat16 --quantization "${stage#w2-}" ;;
-        w3-int8|w3-fp8) run "${stage/-/_}" 200 python3 benchmarks/throughput.py --workload w3 \
+        w3-int8|w3-fp8) mkdir -p "$out/$stage"
+                        run "${stage/-/_}" 200 python3 benchmarks/throughput.py --workload w3 \
                             --max-num-seqs 1 --max-model-len 1024 --recurrent-state-dtype \
-                            bfloat16 --quantization "${stage#w3-}" ;;
+                            bfloat16 --quantization "${stage#w3-}" \
+                            --profile-decode 1 512 --profile-out "$out/$stage" ;;
         w2-no-prefix-cache) run w2_no_prefix_cache 300 python3 benchmarks/throughput.py --workload w2 \
                              --max-num-seqs 200 --max-model-len 3072 --recurrent-state-dtype \
                              bfloat16 --prefix-state-cache-slots 0 ;;
