@@ -2,8 +2,8 @@
 ``fla``; contract and reference: ``qllm.ops.gdn``).
 
 ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` does what qllm's ``gdn_prefill`` asks over
-packed varlen sequences (``cu_seqlens``): L2 norm of q/k in the kernel
-(``use_qk_l2norm_in_kernel``), grouped value heads (value head ``h`` reads key head
+packed varlen sequences (``cu_seqlens``), after this plugin's L2 norm of q and k
+(``triton_l2norm``, in place of fla's autotuned one), grouped value heads (value head ``h`` reads key head
 ``h // (Hv / Hk)``, the same consecutive sharing as ``repeat_interleave``), ``scale = dk ** -0.5``,
 chunks of 64 with the WY/UT transform on tensor cores, an fp32 initial state per sequence and an
 fp32 final state. It takes and returns states by sequence, not by slot, so this wrapper gathers
@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from qllm.ops.gdn import gdn_gates
+from qllm_kernels_gdn.triton_l2norm import l2norm_heads
 
 CHUNK_SIZE = 64  # tokens per chunk of fla's gated delta rule (its default)
 
@@ -55,9 +56,10 @@ def chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Te
     # fla memoises index tensors derived from cu_seqlens by object identity: a fresh tensor per
     # call keeps a caller's in-place reuse of query_start_loc from hitting a stale entry.
     cu_seqlens = cu_seqlens.to(torch.int64, copy=True)
+    q, k = l2norm_heads(q), l2norm_heads(k)  # [T, Hk, dk] each, contiguous
     out, final = chunk_gated_delta_rule(
         q[None], k[None], v[None], g[None], beta[None].to(v.dtype), initial_state=initial,
-        output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+        output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices(query_lens, q.device), chunk_size=CHUNK_SIZE)
     ssm_state.index_copy_(0, slots, final.to(ssm_state.dtype))  # final: [B, Hv, dk, dv] fp32
     return out[0].to(v.dtype)

@@ -204,6 +204,21 @@ def check_rms_norm_gated(tokens: int, heads: int, dim: int, dtype: torch.dtype,
     assert_close(out, norm_reference.rms_norm_gated(x, gate, weight, 1e-6), TOLERANCE[dtype])
 
 
+def check_l2norm_heads(tokens: int, heads: int, dim: int, dtype: torch.dtype,
+                       device: str) -> None:
+    """The prefill's q/k L2 norm on a strided slice of a conv output (as ``fla_chunk`` takes
+    q) against ``qllm.ops.gdn.l2norm`` in fp32, rounded once: contiguous, finite on zero
+    heads."""
+    from qllm_kernels_gdn.triton_l2norm import l2norm_heads
+
+    conv_out = torch.randn(tokens, 3 * heads * dim, dtype=dtype, device=device) * 3
+    q = conv_out[:, heads * dim:2 * heads * dim].unflatten(-1, (heads, dim))  # [T, H, D]
+    q[0, 0].zero_()
+    out = l2norm_heads(q)
+    assert out.is_contiguous() and out.dtype == dtype and torch.isfinite(out).all()
+    assert_close(out, reference.l2norm(q.float()).to(dtype), TOLERANCE[dtype])
+
+
 # ----------------------------------------------------------------------------- CUDA
 
 @cuda
@@ -261,6 +276,13 @@ GPU_NORM = {"t1": (1, 32, 128), "t200": (200, 32, 128), "t4099": (4099, 32, 128)
 @pytest.mark.parametrize("shape", GPU_NORM.values(), ids=GPU_NORM.keys())
 def test_rms_norm_gated_parity(shape, dtype):
     check_rms_norm_gated(*shape, dtype, "cuda")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", GPU_NORM.values(), ids=GPU_NORM.keys())
+def test_l2norm_heads_parity(shape, dtype):
+    check_l2norm_heads(*shape, dtype, "cuda")
 
 
 def _decode_step(qkv: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
@@ -572,6 +594,13 @@ def test_interpreted_gates_at_the_extremes():
 @pytest.mark.parametrize("shape", [(1, 4, 8), (5, 2, 12)], ids=["t1", "t5-d12"])
 def test_interpreted_rms_norm_gated(shape):
     check_rms_norm_gated(*shape, torch.float32, "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("shape", [(1, 4, 8), (5, 2, 12), (40, 3, 16)],
+                         ids=["t1", "t5-d12", "t40"])
+def test_interpreted_l2norm_heads(shape):
+    check_l2norm_heads(*shape, torch.float32, "cpu")
 
 
 @interpreted
