@@ -28,8 +28,10 @@ def _autotuned(events: list):
 
     kernel.run = run
     configs = [triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})]
-    return triton.autotune(configs, key=["n"],
-                           do_bench=lambda call, quantiles: (call(), [1.0, 1.0, 1.0])[1])(kernel)
+    tuner = triton.autotune(configs, key=["n"],
+                            do_bench=lambda call, quantiles: (call(), [1.0, 1.0, 1.0])[1])(kernel)
+    tuner.cache_results = False  # an engine built earlier may have set TRITON_CACHE_AUTOTUNING
+    return tuner
 
 
 def test_configs_compile_under_async_mode_before_the_benchmark_once_per_key():
