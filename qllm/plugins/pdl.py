@@ -22,10 +22,10 @@ step writes (model weights) may be read before it (the GEMV reads its first weig
 Without ``USE_PDL`` the constexpr prunes it all and a kernel compiles to its code without PDL.
 
 Launchers call ``pdl_arguments(device, rows)`` (or ``use_pdl`` and ``launch_options``): PDL is
-on where the switch is, the rows are few enough and ``pdl_available`` (never on the CPU nor under the Triton interpreter,
-which runs no inline PTX). Kernels launched without PDL (Inductor's, cuBLAS) keep the stream's
-full ordering: a PDL-launched kernel after one starts when it has completed, and one after a
-PDL-launched kernel waits for all of it.
+on where the switch is, the rows are few enough and ``pdl_available`` (never on the CPU nor
+under the Triton interpreter, which runs no inline PTX). Kernels launched without PDL
+(Inductor's, cuBLAS) keep the stream's full ordering: a PDL-launched kernel after one starts
+when it has completed, and one after a PDL-launched kernel waits for all of it.
 """
 
 from __future__ import annotations

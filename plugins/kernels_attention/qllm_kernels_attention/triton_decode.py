@@ -9,9 +9,10 @@ output and log-sum-exp; stage 2 merges the splits. With one split, stage 1 write
 directly and stage 2 is skipped.
 
 ``num_splits`` depends only on shapes (batch, kv heads, block-table width) and the GPU's SM
-count, never on values, so the launch is free of host syncs and capturable in a CUDA graph.
-In small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) both stages are launched with programmatic dependent launch and wait for
-the previous kernel at entry (``qllm.plugins.pdl.pdl_enter``).
+count, never on values, so the launch is free of host syncs and capturable in a CUDA graph. In
+small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) both stages are
+launched with programmatic dependent launch and wait for the previous kernel at entry
+(``qllm.plugins.pdl.pdl_enter``).
 """
 
 from __future__ import annotations

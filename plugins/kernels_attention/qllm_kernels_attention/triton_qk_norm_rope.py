@@ -13,8 +13,9 @@ in fp32, a plain one multiplies ``x_hat`` rounded to the input dtype. The rotati
 and sin rounded to the input dtype and computes in fp32, rounding once at the store (as
 Inductor compiles the reference; eager torch rounds each product).
 
-In small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) it is launched with programmatic dependent launch and waits for the
-previous kernel at entry (``qllm.plugins.pdl.pdl_enter``).
+In small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) it is launched with
+programmatic dependent launch and waits for the previous kernel at entry
+(``qllm.plugins.pdl.pdl_enter``).
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 
 ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` does what qllm's ``gdn_prefill`` asks over
 packed varlen sequences (``cu_seqlens``), after this plugin's L2 norm of q and k
-(``triton_l2norm``, in place of fla's autotuned one), grouped value heads (value head ``h`` reads key head
-``h // (Hv / Hk)``, the same consecutive sharing as ``repeat_interleave``), ``scale = dk ** -0.5``,
-chunks of 64 with the WY/UT transform on tensor cores, an fp32 initial state per sequence and an
-fp32 final state. It takes and returns states by sequence, not by slot, so this wrapper gathers
-the slots (zeros where a sequence starts fresh) and scatters the final states back: one read and
-one write of ``B`` states, small next to the prefill itself.
+(``triton_l2norm``, in place of fla's autotuned one), grouped value heads (value head ``h``
+reads key head ``h // (Hv / Hk)``, the same consecutive sharing as ``repeat_interleave``),
+``scale = dk ** -0.5``, chunks of 64 with the WY/UT transform on tensor cores, an fp32 initial
+state per sequence and an fp32 final state. It takes and returns states by sequence, not by
+slot, so this wrapper gathers the slots (zeros where a sequence starts fresh) and scatters the
+final states back: one read and one write of ``B`` states, small next to the prefill itself.
 
 fla derives the index of every chunk (sequence, chunk within it) from ``cu_seqlens``; on the
 device that takes a ``repeat_interleave`` whose output size is read back to the host, a sync in

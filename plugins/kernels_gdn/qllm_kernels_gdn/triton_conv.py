@@ -17,8 +17,9 @@ one coalesced vector. Math in fp32; outputs in ``x.dtype``, state in its own dty
   tensor values (no host sync). A second launch writes the new states once every conv program
   has read the old ones.
 
-In small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) the decode kernel is launched with programmatic dependent launch and waits
-for the previous kernel at entry (``qllm.plugins.pdl.pdl_enter``); the prefill kernels are not.
+In small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) the decode kernel is
+launched with programmatic dependent launch and waits for the previous kernel at entry
+(``qllm.plugins.pdl.pdl_enter``); the prefill kernels are not.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ Left to ``torch.compile``, the decode graph ran it as two kernels, a persistent 
 the variance and a pointwise kernel for the rest (5.0 + 3.3 us per layer at W2's batch 200,
 1.3 + 1.4 us at batch 1). Here one program normalises ``BLOCK_R`` rows of ``D`` (a row is one
 value head of one token) and applies weight and gate, with transformers' casts: ``x_hat`` in
-fp32, cast to the input dtype, times the weight in that dtype, times ``silu(gate)`` in fp32.
-In small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) it is launched with programmatic dependent launch and waits for the
-previous kernel at entry (``qllm.plugins.pdl.pdl_enter``).
+fp32, cast to the input dtype, times the weight in that dtype, times ``silu(gate)`` in fp32. In
+small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) it is launched with
+programmatic dependent launch and waits for the previous kernel at entry
+(``qllm.plugins.pdl.pdl_enter``).
 """
 
 from __future__ import annotations

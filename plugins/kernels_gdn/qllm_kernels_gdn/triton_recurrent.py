@@ -21,8 +21,9 @@ sequence, token ``i`` of sequence ``i``) and varlen prefill (tokens split at ``c
 share the kernel; prefill walks each sequence sequentially, the fallback where fla's chunked
 kernels are missing.
 
-In small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) the kernel (decode and prefill alike) is launched with programmatic
-dependent launch and waits for the previous kernel at entry (``qllm.plugins.pdl.pdl_enter``).
+In steps of at most ``PDL_MAX_ROWS`` tokens (``qllm.plugins.pdl``: decode at small batch, the
+shortest prefills) the kernel is launched with programmatic dependent launch and waits for the
+previous kernel at entry (``qllm.plugins.pdl.pdl_enter``).
 """
 
 from __future__ import annotations
@@ -111,15 +112,15 @@ def _launch_config(num_seqs: int, num_heads: int, dv: int, state: torch.Tensor
     """``(value dims per program, warps)``, from ``bench_gdn.py --sweep-decode`` on the H200 at
     the Qwen3.5-35B-A3B geometry.
 
-    Value-major state (key stride 1, as the models store it), one warp per program: bf16 8
-    value dims (a 2 KB tile; at batch 200, consecutive slots: 112.1 us per layer, 114.4 at 16,
-    120.5 at 128 x 8 warps), or 16 where 8 would leave fewer than 512 programs of 16 (batch 1:
-    16 x 1 6.9 us, 8 not measured); fp32 16 on 2 warps (218.4 us at batch 200; 217.9 at
-    32 x 1, whose 32 x 128 fp32 state tile per warp needs 254 registers a thread under Triton
-    3.7 and spills 32 bytes under the H200 image's 3.6; 240.9 at 16 x 1) (2026-11-30). Key-major (contiguous) state: where 32 value dims
-    per program leave too few programs to fill the GPU, 16 with 2 warps; otherwise bf16
-    32 x 2 warps (142 us at batch 200; 149 at 64 x 4), fp32 64 x 4 warps (222 us; 231 at
-    32 x 2)."""
+    Value-major state (key stride 1, as the models store it): bf16 8 value dims on one warp (a
+    2 KB tile; at batch 200, consecutive slots: 112.1 us per layer, 114.4 at 16, 120.5 at
+    128 x 8 warps), or 16 where 8 would leave fewer than 512 programs of 16 (batch 1: 16 x 1
+    6.9 us, 8 not measured); fp32 16 on 2 warps (218.4 us at batch 200; 217.9 at 32 x 1,
+    whose 32 x 128 fp32 tile per warp needs 254 registers a thread under Triton 3.7 and spills
+    32 bytes under the H200 image's 3.6; 240.9 at 16 x 1) (2026-11-30). Key-major
+    (contiguous) state: where 32 value dims per program leave too few programs to fill the
+    GPU, 16 with 2 warps; otherwise bf16 32 x 2 warps (142 us at batch 200; 149 at 64 x 4),
+    fp32 64 x 4 warps (222 us; 231 at 32 x 2)."""
     if state.stride(-2) == 1 and state.dtype.itemsize > 2:
         block_v, num_warps = 16, 2
     elif state.stride(-2) == 1:

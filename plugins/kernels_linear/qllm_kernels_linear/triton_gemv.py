@@ -13,22 +13,22 @@ epilogue; the output is rounded once to ``x.dtype``. The launch depends on shape
 host sync).
 
 Programmatic dependent launch (PDL), in small decode steps by the switch every plugin's
-decode-path kernels share (``qllm.plugins.pdl``: on unless ``QLLM_PDL=0``), launches the kernel with ``launch_pdl=True``
-on Hopper and later GPUs, so its programs may start while the previous kernel on the stream is
-still finishing (in a CUDA graph, a programmatic edge). Where the other kernels enter through
-``pdl_enter`` (launch dependents, then wait, before any memory access), the GEMV, with
-``USE_PDL``, first lets the next PDL-launched kernel launch (``gdc_launch_dependents``), issues
-the loads of its first ``BLOCK_K`` weight columns (parameters: no kernel of a decode step writes
-them), then waits for the previous kernel to complete and its writes to be visible
-(``gdc_wait``) before it loads ``x`` (and the bias) or stores anything: the first loop step is
-peeled for that, the loop runs the rest. At one row ``BLOCK_K`` covers all of ``K = 2048`` (the
-GDN ``in_proj``, ``qkv_proj``, the MoE ``input_proj``), half of ``K = 4096`` (``out_proj`` /
-``o_proj``). The wait sits on the one path every thread runs (no branch before it), as PDL
-requires of every PDL-launched kernel: the next one relies on it. Without ``USE_PDL`` the
-constexpr prunes all of it and the kernel compiles to the same code as before the switch
-existed. On an H200, in a CUDA graph of 80 GEMVs each fed by the one before, PDL saved 0.6 us
-per kernel boundary; between kernels launched without it, it cost 1.5%
-(``benchmarks/bench_pdl.py``, ``benchmarks/RESULTS.md``).
+decode-path kernels share (``qllm.plugins.pdl``: on unless ``QLLM_PDL=0``), launches the kernel
+with ``launch_pdl=True`` on Hopper and later GPUs, so its programs may start while the previous
+kernel on the stream is still finishing (in a CUDA graph, a programmatic edge). Where the other
+kernels enter through ``pdl_enter`` (launch dependents, then wait, before any memory access),
+the GEMV, with ``USE_PDL``, first lets the next PDL-launched kernel launch
+(``gdc_launch_dependents``), issues the loads of its first ``BLOCK_K`` weight columns
+(parameters: no kernel of a decode step writes them), then waits for the previous kernel to
+complete and its writes to be visible (``gdc_wait``) before it loads ``x`` (and the bias) or
+stores anything: the first loop step is peeled for that, the loop runs the rest. At one row
+``BLOCK_K`` covers all of ``K = 2048`` (the GDN ``in_proj``, ``qkv_proj``, the MoE
+``input_proj``), half of ``K = 4096`` (``out_proj`` / ``o_proj``). The wait sits on the one path
+every thread runs (no branch before it), as PDL requires of every PDL-launched kernel: the next
+one relies on it. Without ``USE_PDL`` the constexpr prunes all of it and the kernel compiles to
+the same code as before the switch existed. On an H200, in a CUDA graph of 80 GEMVs each fed by
+the one before, PDL saved 0.6 us per kernel boundary; between kernels launched without it, it
+cost 1.5% (``benchmarks/bench_pdl.py``, ``benchmarks/RESULTS.md``).
 
 The contract PDL adds: the weight must not be written by work still in flight on the stream
 (model parameters loaded before decoding qualify; a test that creates a weight on the GPU and

@@ -7,8 +7,9 @@ It takes the place of the kernel Inductor fuses from the same add and norm under
 the add in fp32 rounded once, ``x_hat`` in fp32, a plain weight multiplying ``x_hat`` rounded
 to the input dtype, a zero-centred one multiplying in fp32.
 
-In small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) it is launched with programmatic dependent launch and waits for the
-previous kernel at entry (``qllm.plugins.pdl.pdl_enter``).
+In small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) it is launched with
+programmatic dependent launch and waits for the previous kernel at entry
+(``qllm.plugins.pdl.pdl_enter``).
 """
 
 from __future__ import annotations
