@@ -28,6 +28,7 @@ import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from qllm.plugins.pdl import use_pdl
 
 from workloads import commit, workload, write_config
 
@@ -137,7 +138,10 @@ def profile_steps(engine, tag: str, steps: int, out: str, unit=None) -> dict:
     one decode step), then profile ``steps`` more; write the trace, the kernel table and the
     last unit's kernel sequence under ``out`` (file names carry ``tag``), print the table, and
     return the figures per unit (``step_ms``, kernels, GPU busy and idle, kernel time per op
-    kind)."""
+    kind, and ``pdl``: whether the unit's kernels launch with programmatic dependent launch, in
+    which case each kernel's time includes its wait for the one before, so the per-kernel and
+    per-kind times overstate; ``QLLM_PDL=0`` gives them without)."""
+
     unit = unit or (lambda: decode_unit(engine))
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -171,6 +175,7 @@ def profile_steps(engine, tag: str, steps: int, out: str, unit=None) -> dict:
         "gpu_busy_ms_per_step": round(busy / steps / 1e3, 3),
         "gpu_idle_between_kernels_ms_per_step": round(idle / steps / 1e3, 3),
         "gaps_over_5us_per_step": gaps // steps,
+        "pdl": use_pdl(engine.device, round(tokens_per_step)),
         "kernel_ms_per_step_by_kind": {k: round(v / steps / 1e3, 3)
                                        for k, v in sorted(by_kind.items())}}
 
