@@ -28,6 +28,7 @@ import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
 from qllm.plugins.pdl import use_pdl
 
 from workloads import commit, workload, write_config
