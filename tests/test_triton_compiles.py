@@ -46,12 +46,24 @@ def test_listener_counts_a_real_compile_then_its_cache_hit(tmp_path, monkeypatch
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     args = dict(x_ptr=torch.empty(64, device="meta"), n=64, BLOCK=64)
     report = StartupReport(CompileCache(None))
-    compile_for_sm90(double, args, dict(num_warps=1))
-    compile_for_sm90(double, args, dict(num_warps=1))  # the same key: from the disk cache
+    with report.triton_compiles:
+        compile_for_sm90(double, args, dict(num_warps=1))
+        compile_for_sm90(double, args, dict(num_warps=1))  # the same key: from the disk cache
     line = report.ready()
     summary = report.summary()["triton_jit"]
     assert (summary["compiled"], summary["cached"]) == (1, 1)
     assert summary["top"][0]["name"] == "double" and summary["seconds"] > 0
     assert "Triton JIT 1 compiled + 1 cached" in line
-    compile_for_sm90(double, args, dict(num_warps=2))  # after ready: no longer counted
+    compile_for_sm90(double, args, dict(num_warps=2))  # after the block: no longer counted
     assert report.summary()["triton_jit"]["compiled"] == 1
+
+
+def test_the_listener_is_put_back_after_a_failure():
+    knobs = pytest.importorskip("triton").knobs
+
+    before = knobs.compilation.listener
+    log = TritonCompileLog()
+    with pytest.raises(RuntimeError), log:
+        assert knobs.compilation.listener == log._on_compile
+        raise RuntimeError("the engine failed to build")
+    assert knobs.compilation.listener is before

@@ -68,8 +68,10 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_positions}")
         self.config = config
-        # on CUDA, an autotuned kernel's configs compile in parallel at start-up (cold caches)
-        with parallel_autotune(enabled=self.device.type == "cuda"):
+        # on CUDA, an autotuned kernel's configs compile in parallel at start-up (cold caches);
+        # Triton's compiles are counted for the start-up line until then (or a failure)
+        with parallel_autotune(enabled=self.device.type == "cuda"), \
+                self.startup.triton_compiles:
             self._build(config, hf_config)
         logger.info(self.startup.ready())
 

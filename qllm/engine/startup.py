@@ -33,7 +33,7 @@ class StartupReport:
     time within it, which is reported as ``compile`` instead. The cache's lookups are counted
     from construction to each ``summary``: on CPU, where nothing is compiled until the first
     request, ask after it. Triton's own compiles (``TritonCompileLog``: the plugins' kernels
-    and the libraries' they launch) are counted from construction to ``ready``."""
+    and the libraries' they launch) are counted within ``with report.triton_compiles:``."""
 
     def __init__(self, cache: CompileCache):
         self.cache = cache
@@ -43,7 +43,7 @@ class StartupReport:
         self._compiled_before = compile_seconds_so_far()
         self._lookups_before = compile_cache.lookups()
         self._triton_entries_before = cache.triton_entries()
-        self.triton_compiles = TritonCompileLog().start()
+        self.triton_compiles = TritonCompileLog()
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -61,7 +61,6 @@ class StartupReport:
         """Mark the engine ready (the time not in any phase or compiling becomes phase
         ``other``); returns the start-up line to log."""
         self.ready_seconds = time.perf_counter() - self.started
-        self.triton_compiles.stop()
         compiled = compile_seconds_so_far()
         compiling = 0.0 if compiled is None else compiled - self._compiled_before
         self.phase_seconds["other"] = (self.ready_seconds - compiling
@@ -72,7 +71,7 @@ class StartupReport:
         """Start-up seconds (to ``ready``) and per phase, the torch.compile seconds since
         construction (None where torch does not time them), and the compile cache: its
         folder, state, torch's lookups and the Triton cache entries added since
-        construction, and Triton's compiles to ``ready`` (``TritonCompileLog.summary``)."""
+        construction, and Triton's compiles counted (``TritonCompileLog.summary``)."""
         compiled = compile_seconds_so_far()
         lookups = compile_cache.lookups_since(self._lookups_before)
         entries = self.cache.triton_entries()

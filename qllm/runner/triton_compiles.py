@@ -25,8 +25,8 @@ class KernelCompiles:
 
 
 class TritonCompileLog:
-    """Counts Triton's compiles by kernel name between ``start`` and ``stop``; a listener
-    installed before is kept and still called."""
+    """Counts Triton's compiles by kernel name between ``start`` and ``stop`` (or within a
+    ``with`` block); a listener installed before is kept and still called."""
 
     def __init__(self):
         self.kernels: dict[str, KernelCompiles] = {}
@@ -50,6 +50,12 @@ class TritonCompileLog:
         if self._knobs is not None and self._knobs.compilation.listener == self._on_compile:
             self._knobs.compilation.listener = self._previous
         self._knobs = None
+
+    def __enter__(self) -> TritonCompileLog:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
 
     def _on_compile(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
         name = getattr(src, "name", None) or metadata.get("name", "?")
