@@ -27,7 +27,7 @@
 #   bench-int8-sweep: the 8-bit GEMV's launch-config sweep at one row (best per shape);
 #   bench-int8-sweep-moe: the same for the MoE slot path's two GEMMs at 1 and 4 tokens;
 #   bench-int8-sweep-sorted: the tiles of the int8 MoE's sorted path (the op's from 5 tokens,
-#   its table in qllm_kernels_int8/configs/) at W2's 200 tokens and a 16,384-token prefill
+#   its table in qllm_kernels_int8/configs/int8/) at W2's 200 tokens and a 16,384-token prefill
 #   step: per GEMM the five fastest and the table's, then the whole op at the best against the
 #   table's tiles and bf16 (3 JSON lines per token count; about 3 minutes of sweeping);
 #   bench-int8-sweep-sorted-full: the same at 200 tokens over kernels_moe's full grid (8 warps,

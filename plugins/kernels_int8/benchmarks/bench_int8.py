@@ -33,7 +33,7 @@ candidate of ``gemm_configs.swap_ab_candidates``.
 
 At MoE token counts where the op takes the sorted path (its table entry has ``BLOCK_M`` > 1:
 5 tokens and more), ``--sweep`` times the sorted path's tiles instead
-(``triton_moe.fused_moe_8bit``'s, from the plugin's int8 table, ``triton_moe.moe_config``):
+(``triton_moe.fused_moe_8bit``'s, from the plugin's table of the format, ``triton_moe.moe_config``):
 each GEMM alone (gate-up on ``x``, down on its output; ``triton_moe._launch`` on the
 sort at each ``BLOCK_M``) at every candidate of kernels_moe's tuning grid
 (``bench_moe.py``'s ``gemm_candidates`` over one of its ``GRIDS``, the rule's tiles added), one
@@ -58,7 +58,7 @@ but the converted tile needs a bf16 copy besides.)
 ``--format fp8`` runs the same sweep on the fp8 (W8A8, 128 x 128 block scales) sorted path:
 the candidates whose ``BLOCK_K`` lies within a 128-column scale block (``triton_moe._fit``;
 the decode grid keeps its 128), each GEMM timed on activations quantized as the op does
-(``fp8_group_quant``, outside the timed call), against the fp8 rule (kernels_moe's bf16
+(``fp8_group_quant``, outside the timed call), against the fp8 rule (the plugin's fp8
 table, ``moe_config(..., block)``), bf16 and the int8 op (``int8_op_us``), ``max_err``
 against the W8A8 reference (``quant.fused_moe_fp8_w8a8_reference``). ``BLOCK_M`` adds
 ``FP8_BLOCK_MS``: 32 and 64 at decode batches (the fp8 wgmma needs 64 rows; at 16 and 32

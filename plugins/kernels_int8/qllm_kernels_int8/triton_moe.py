@@ -15,8 +15,9 @@ H]`` left for the residual add to sum); what differs is the weight tiles:
 Where the table's entry has ``BLOCK_M == 1`` (kernels_moe's one-program-per-slot path, at a
 few tokens), the 8-bit twin of that path runs instead (``triton_slot_moe``: no sort, GEMV-style
 programs, fp8 weight-only there), with its own tiles (``gemv_configs.slot_moe_config``). The
-sorted path's tiles: int8 has its own table (``configs/``, the tile sweep of ``bench_int8.py
---sweep``), fp8 takes kernels_moe's bf16 one.
+sorted path's tiles: each format has its own table (``configs/int8/``, ``configs/fp8/``: the
+tile sweeps of ``bench_int8.py --sweep [--format fp8]``); a shape without one takes kernels_moe's
+bf16 table.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from qllm_kernels_int8.triton_linear import fp8_group_quant
 from qllm_kernels_int8.triton_slot_moe import slot_down_8bit, slot_gate_up_8bit
 
 MIN_FP8_BLOCK_K = 32
-INT8_CONFIG_DIR = Path(__file__).parent / "configs"  # the int8 sorted path's tile tables
+TABLE_DIRS = {fmt: Path(__file__).parent / "configs" / fmt for fmt in ("int8", "fp8")}
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -171,10 +172,10 @@ def _fit(config: GemmConfig, block: tuple[int, int] | None) -> GemmConfig:
 
 def moe_config(tokens: int, num_experts: int, gate_up_rows: int, hidden_size: int,
                top_k: int, block: tuple[int, int] | None = None) -> MoeConfig:
-    """The table entry for ``tokens`` (int8, ``block`` ``None``: this plugin's table where the
-    shape has one; fp8: kernels_moe's bf16 table); where it picks the slot path (``BLOCK_M``
-    1), the 8-bit slot path's tiles (``slot_moe_config``)."""
-    table_dir = INT8_CONFIG_DIR if block is None else CONFIG_DIR
+    """The table entry for ``tokens`` (int8 with ``block`` ``None``, else fp8: this plugin's
+    table of that format where the shape has one, else kernels_moe's bf16 table); where it
+    picks the slot path (``BLOCK_M`` 1), the 8-bit slot path's tiles (``slot_moe_config``)."""
+    table_dir = TABLE_DIRS["int8" if block is None else "fp8"]
     if not config_path(num_experts, gate_up_rows, hidden_size, table_dir).is_file():
         table_dir = CONFIG_DIR
     config = get_config(tokens, num_experts, gate_up_rows, hidden_size, top_k, table_dir)

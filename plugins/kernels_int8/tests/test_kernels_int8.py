@@ -804,32 +804,41 @@ def test_pdl_decode_in_cuda_graph(step, fmt, monkeypatch):
 
 
 def test_int8_and_fp8_moe_tile_tables():
-    """int8's sorted path reads this plugin's table, fp8's kernels_moe's bf16 one; a shape
-    without an int8 table falls back to the bf16 one."""
-    from qllm_kernels_int8.triton_moe import INT8_CONFIG_DIR, moe_config
+    """Each format's sorted path reads its own table in this plugin; a shape without one
+    falls back to kernels_moe's bf16 table."""
+    from qllm_kernels_int8.triton_moe import TABLE_DIRS, moe_config
     from qllm_kernels_moe.configs import get_config, load_table
 
-    int8_table = load_table(256, 1024, 2048, INT8_CONFIG_DIR)
+    int8_table = load_table(256, 1024, 2048, TABLE_DIRS["int8"])
+    fp8_table = load_table(256, 1024, 2048, TABLE_DIRS["fp8"])
+    bf16_entry = get_config(16384, 256, 1024, 2048, 9)
     assert moe_config(16384, 256, 1024, 2048, 9) == int8_table[16384]
-    assert moe_config(16384, 256, 1024, 2048, 9, (128, 128)) == get_config(16384, 256, 1024,
-                                                                           2048, 9)
-    assert int8_table[16384] != get_config(16384, 256, 1024, 2048, 9)
+    assert moe_config(16384, 256, 1024, 2048, 9, (128, 128)) == fp8_table[16384]
+    assert len({int8_table[16384], fp8_table[16384], bf16_entry}) == 3
     assert moe_config(300, 64, 400, 200, 5) == get_config(300, 64, 400, 200, 5)
+    assert moe_config(300, 64, 400, 200, 5, (128, 128)) == get_config(300, 64, 400, 200, 5)
 
 
 @cuda
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("max_tokens", [8, 200, 512, 2048, 4096, 16384], ids=lambda n: f"t{n}")
-def test_int8_table_entries(max_tokens):
-    """The int8 table's sorted-path entries compile and are correct at the top of their
-    token range (8, 512 and 2,048 stand for the entries copied from the bf16 table)."""
+def test_table_entries(fmt, max_tokens):
+    """Each format's table's sorted-path entries compile and are correct at the top of their
+    token range (8 and 512 stand for the entries copied from the bf16 table; int8's 2,048 too)."""
     from qllm_kernels_int8.triton_moe import moe_config
 
     inputs = moe_inputs(max_tokens, 256, 2048, 512, 8, device="cuda")
-    args = _int8_moe_args(inputs)
-    assert moe_config(max_tokens, 256, 1024, 2048, 9).BLOCK_M > 1
-    _close(ops.fused_moe_w8a16(*args),
-           quant.fused_moe_w8a16(args[0].float(), *args[1:5], args[5].float(), *args[6:]),
-           torch.bfloat16)
+    block = None if fmt == "int8" else (128, 128)
+    assert moe_config(max_tokens, 256, 1024, 2048, 9, block).BLOCK_M > 1
+    if fmt == "int8":
+        args = _int8_moe_args(inputs)
+        expected = quant.fused_moe_w8a16(args[0].float(), *args[1:5], args[5].float(),
+                                         *args[6:])
+        _close(ops.fused_moe_w8a16(*args), expected, torch.bfloat16)
+    else:
+        args = _fp8_moe_args(inputs, block)
+        _close(ops.fused_moe_fp8_block(*args), quant.fused_moe_fp8_w8a8_reference(*args),
+               torch.bfloat16)
 
 
 @cuda
