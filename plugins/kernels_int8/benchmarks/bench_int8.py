@@ -91,7 +91,7 @@ import torch
 import torch.nn.functional as F
 
 from qllm.ops.moe import fused_moe as torch_fused_moe
-from qllm.testing.benchmarking import print_table, time_ms
+from qllm.testing.benchmarking import compile_ahead, print_table, time_ms
 from qllm_kernels_int8 import gemm_configs, gemv_configs, ops, quant
 from qllm_kernels_linear import ops as linear_ops
 from qllm_kernels_linear.testing import QWEN3_5_35B_A3B_SHAPES, linear_inputs
@@ -208,7 +208,8 @@ def measure_dense(name: str, rows: int) -> list[dict]:
 
 def timed_configs(configs: list, make_call) -> tuple[list[tuple[float, object]], int]:
     """``(ms, config)`` of each config that runs, fastest first, and how many failed (e.g.
-    too many registers or too much shared memory)."""
+    too many registers or too much shared memory). All compile first, in parallel."""
+    compile_ahead([lambda config=config: make_call(config)() for config in configs])
     timed, failed = [], 0
     for config in configs:
         try:

@@ -36,7 +36,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from qllm.testing.benchmarking import print_table, time_ms
+from qllm.testing.benchmarking import compile_ahead, print_table, time_ms
 from qllm_kernels_linear import ops
 from qllm_kernels_linear.configs import MAX_GEMV_ROWS, candidates, default_config
 from qllm_kernels_linear.testing import QWEN3_5_35B_A3B_SHAPES, linear_inputs
@@ -87,8 +87,10 @@ def sweep(name: str, rows: int) -> dict:
     memory) are counted, not fatal."""
     x, weight, _ = linear_inputs(rows, *QWEN3_5_35B_A3B_SHAPES[name], DTYPE, "cuda")
     n, k = weight.shape
+    configs = candidates(rows, n, k)
+    compile_ahead([functools.partial(gemv, x, weight, config=config) for config in configs])
     timed, failed = [], 0
-    for config in candidates(rows, n, k):
+    for config in configs:
         try:
             ms = time_ms(functools.partial(gemv, x, weight, config=config), graph=True,
                          rep=SWEEP_REP_MS)

@@ -41,7 +41,7 @@ import torch
 import triton
 
 from qllm.ops.moe import fused_moe as torch_fused_moe
-from qllm.testing.benchmarking import print_table, time_ms
+from qllm.testing.benchmarking import compile_ahead, print_table, time_ms
 from qllm_kernels_moe import ops
 from qllm_kernels_moe.align import moe_align
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, config_path, get_config, load_table
@@ -166,7 +166,10 @@ def tune_slot_path(inputs: MoeInputs) -> tuple[float, MoeConfig]:
 
 
 def best_gemm(run, candidates, graph: bool) -> tuple[float, GemmConfig]:
-    """The fastest candidate of ``run(config)``; candidates that fail to compile are skipped."""
+    """The fastest candidate of ``run(config)`` (all compiled first, in parallel); candidates
+    that fail to compile are skipped."""
+    candidates = list(candidates)
+    compile_ahead([lambda config=config: run(config) for config in candidates])
     best = (float("inf"), None)
     for config in candidates:
         try:
