@@ -94,3 +94,10 @@ def test_switched_off_by_the_environment(monkeypatch):
     original = Autotuner.run
     with parallel_autotune(workers=1):
         assert Autotuner.run is original
+
+
+def test_a_bad_switch_value_is_refused(monkeypatch):
+    monkeypatch.setenv("QLLM_PARALLEL_AUTOTUNE", "false")
+    with pytest.raises(ValueError, match="QLLM_PARALLEL_AUTOTUNE"):
+        with parallel_autotune(workers=1):
+            pass

@@ -28,12 +28,20 @@ if HAS_TRITON:
         tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets) * 2)
 
 
-def test_pdl_switch():
-    """``QLLM_PDL``: ``0`` off; unset, empty or ``1`` on; anything else refused."""
-    assert all(pdl.pdl_switch(value) for value in (None, "", "1")) and not pdl.pdl_switch("0")
-    for value in ("true", "2", "on"):
-        with pytest.raises(ValueError, match="QLLM_PDL"):
-            pdl.pdl_switch(value)
+def test_env_switches(monkeypatch):
+    """``QLLM_PDL`` and the other switches: ``0`` off, ``1`` on, unset or empty the default;
+    anything else refused, naming the variable."""
+    from qllm.switches import env_switch
+
+    monkeypatch.delenv("QLLM_PDL", raising=False)
+    assert env_switch("QLLM_PDL") and not env_switch("QLLM_PDL", default=False)
+    for value, expected in (("", True), ("1", True), ("0", False), (" 0 ", False)):
+        monkeypatch.setenv("QLLM_PDL", value)
+        assert env_switch("QLLM_PDL") is expected
+    for value in ("true", "2", "on", "false"):
+        monkeypatch.setenv("QLLM_PDL", value)
+        with pytest.raises(ValueError, match="QLLM_PDL='"):
+            env_switch("QLLM_PDL")
 
 
 def test_launch_arguments(monkeypatch):

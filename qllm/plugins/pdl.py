@@ -10,7 +10,7 @@ and 454.8 against 386.9 with int8 weights. In large steps it does not: at W2's 2
 the GDN recurrence (102,400 one-warp programs, each waiting at entry) took 124.6 us against
 107.2 and W2 lost 2% (7,671 against 7,824 tok/s), W1's 256-sequence step 1.5% (all on one
 H200, 2026-12-03). ``QLLM_PDL=0`` in the environment (read once, at import: ``PDL``) turns it
-off everywhere; unset, empty or ``1``: on.
+off everywhere; unset, empty or ``1``: on (``qllm.switches``: other values are refused).
 
 Each such kernel takes a ``USE_PDL: tl.constexpr`` and, with it, on the path every thread runs,
 first lets the next PDL-launched kernel launch (``gdc_launch_dependents``), then waits for the
@@ -38,18 +38,13 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from qllm.switches import env_switch
+
 PDL_ENV = "QLLM_PDL"
 
 
-def pdl_switch(value: str | None) -> bool:
-    """``QLLM_PDL``'s value as the switch: ``0`` off; unset, empty or ``1`` on."""
-    if value not in (None, "", "0", "1"):
-        raise ValueError(f"{PDL_ENV}={value!r}: 1 (programmatic dependent launch) or 0")
-    return value != "0"
-
-
 # Launch the decode path's kernels with programmatic dependent launch where the device allows.
-PDL = pdl_switch(os.environ.get(PDL_ENV))
+PDL = env_switch(PDL_ENV)
 # ... in launches of at most this many rows (tokens or sequences): the latency-bound steps
 PDL_MAX_ROWS = 16
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"

@@ -17,7 +17,9 @@ import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-SWITCH_ENV = "QLLM_PARALLEL_AUTOTUNE"  # "0" turns it off (to measure against)
+from qllm.switches import env_switch
+
+SWITCH_ENV = "QLLM_PARALLEL_AUTOTUNE"  # "0" turns it off (to measure against); qllm.switches
 
 
 def _untuned(autotuner, args: tuple, kwargs: dict) -> bool:
@@ -39,7 +41,7 @@ def parallel_autotune(workers: int | None = None, enabled: bool = True):
     all its configs in ``workers`` threads (default: the CPU count) before benchmarking them.
     Does nothing unless ``enabled``, with ``QLLM_PARALLEL_AUTOTUNE=0``, where Triton lacks
     ``AsyncCompileMode`` (before 3.4), or where an async compile is already active."""
-    if not enabled or os.environ.get(SWITCH_ENV, "1").strip() == "0":
+    if not enabled or not env_switch(SWITCH_ENV):
         yield
         return
     try:
