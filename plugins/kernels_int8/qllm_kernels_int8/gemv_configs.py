@@ -25,14 +25,19 @@ round trip:
   has under ``MIN_PROGRAMS`` programs or the ``[BLOCK_M, BLOCK_N, chunks]`` fp32 accumulator
   would pass ``ACC_REGISTERS`` per thread.
 
-Not yet measured on a GPU: the sweep's JSON lines give the best candidate per shape next to
-the rule's.
+The sweep on the H200 (``gpu_run.sh bench-int8-sweep``, ``bench-int8-sweep-moe``, 2026-12-03,
+each kernel alone in a CUDA graph, L2 flushed) found every shape of Qwen3.5-35B-A3B 10-25%
+faster with smaller programs than the rule's: several loop steps of 256-2,048 columns on 1-4
+warps, 2,048-3,088 programs (``SWEPT``). Alone; in a decode step with PDL the rule's one-step
+programs load all their weights before the wait, the swept ones a step's, so which wins there
+is measured with ``QLLM_INT8_GEMV_SWEPT=1`` (``qllm.switches``; default off: the rule).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from qllm.switches import env_switch
 from qllm_kernels_linear.configs import GemvConfig, block_m, next_power_of_2
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig
 
@@ -44,6 +49,26 @@ MAX_WARPS = 8
 MAX_BLOCK_N = 8
 MIN_PROGRAMS = 128  # about one program per SM (132 on the H200)
 ACC_REGISTERS = 32  # fp32 accumulator registers per thread: BLOCK_M x BLOCK_N x chunks
+
+
+# The sweep's fastest configs (see above), us alone against the rule's: the dense GEMV's per
+# (rows, N, K), and the slot MoE GEMMs' per (slots, output columns, K, weight rows per column).
+SWEPT_GEMV = {
+    (1, 2048, 4096): GemvConfig(1, 2048, 4, 1),  # out_proj: 8.38 against 10.18
+    (1, 12352, 2048): GemvConfig(4, 256, 1, 1),  # GDN in_proj: 14.05 against 17.09
+    (1, 9216, 2048): GemvConfig(4, 512, 2, 1),  # attention qkv: 12.00 against 14.75
+}
+SWEPT_SLOT_GEMMS = {
+    (9, 512, 2048, 2): GemvConfig(2, 512, 2, 1),  # gate-up, one token: 12.86 against 16.00
+    (9, 2048, 512, 1): GemvConfig(8, 256, 1, 1),  # down, one token: 10.14 against 11.26
+    (36, 512, 2048, 2): GemvConfig(2, 512, 1, 1),  # gate-up, 4 tokens: 29.73 against 39.36
+    (36, 2048, 512, 1): GemvConfig(8, 256, 1, 1),  # down, 4 tokens: 20.45 against 20.74
+}
+SWEPT_ENV = "QLLM_INT8_GEMV_SWEPT"
+
+
+def _swept() -> bool:
+    return env_switch(SWEPT_ENV, default=False)
 
 
 def _fit(m: int, k: int, programs: Callable[[int], int], rows_per_column: int = 1
@@ -63,7 +88,10 @@ def _fit(m: int, k: int, programs: Callable[[int], int], rows_per_column: int = 
 def default_config(m: int, n: int, k: int) -> GemvConfig:
     """The dense GEMV's rule for ``m`` rows through ``weight [n, k]``. At one row:
     ``[12352, 2048]`` and ``[9216, 2048]`` take 8 rows x 2,048 columns (4 warps), ``[2048,
-    4096]`` 8 rows x 4,096 (8 warps); at 4 rows, 4 weight rows."""
+    4096]`` 8 rows x 4,096 (8 warps); at 4 rows, 4 weight rows. With
+    ``QLLM_INT8_GEMV_SWEPT=1``, the sweep's config where it has one (``SWEPT_GEMV``)."""
+    if _swept() and (m, n, k) in SWEPT_GEMV:
+        return SWEPT_GEMV[m, n, k]
     return _fit(m, k, lambda block_n: -(-n // block_n))
 
 
@@ -71,9 +99,13 @@ def slot_moe_config(num_slots: int, inter: int, hidden: int) -> MoeConfig:
     """The MoE slot path's rule for ``num_slots`` slots through experts of ``w13 [2 * inter,
     hidden]`` and ``w2 [hidden, inter]``: one program per slot and ``BLOCK_N`` columns. At
     Qwen3.5-35B-A3B's 9 slots of one token: gate-up 4 columns (8 rows) x 2,048 (4 warps),
-    down 8 rows x 512 (1 warp)."""
-    up = _fit(1, hidden, lambda block_n: num_slots * -(-inter // block_n), rows_per_column=2)
-    down = _fit(1, inter, lambda block_n: num_slots * -(-hidden // block_n))
+    down 8 rows x 512 (1 warp). With ``QLLM_INT8_GEMV_SWEPT=1``, the sweep's configs where
+    it has them (``SWEPT_SLOT_GEMMS``)."""
+    swept = SWEPT_SLOT_GEMMS if _swept() else {}
+    up = swept.get((num_slots, inter, hidden, 2)) or _fit(
+        1, hidden, lambda block_n: num_slots * -(-inter // block_n), rows_per_column=2)
+    down = swept.get((num_slots, hidden, inter, 1)) or _fit(
+        1, inter, lambda block_n: num_slots * -(-hidden // block_n))
     return MoeConfig(1, slot_gemm_config(up), slot_gemm_config(down))
 
 

@@ -853,3 +853,19 @@ def test_compiled_decode_matches_eager():
         for _ in range(3):
             out = compiled(*args)
         torch.testing.assert_close(out, eager, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("swept", ["0", "1"])
+def test_swept_gemv_configs_are_candidates_and_switched(swept, monkeypatch):
+    """``QLLM_INT8_GEMV_SWEPT=1`` takes the sweep's configs at the shapes it measured (each a
+    candidate of the sweep); off, the rule's."""
+    monkeypatch.setenv(gemv_configs.SWEPT_ENV, swept)
+    for (rows, n, k), config in gemv_configs.SWEPT_GEMV.items():
+        assert config in gemv_configs.candidates(rows, n, k)
+        rule = gemv_configs._fit(rows, k, lambda block_n, n=n: -(-n // block_n))
+        assert gemv_configs.default_config(rows, n, k) == (config if swept == "1" else rule)
+    for (slots, n, k, rows_per_column), config in gemv_configs.SWEPT_SLOT_GEMMS.items():
+        assert config in gemv_configs.candidates(1, n, k, rows_per_column)
+    moe = gemv_configs.slot_moe_config(9, 512, 2048)
+    expected = gemv_configs.slot_gemm_config(gemv_configs.SWEPT_SLOT_GEMMS[9, 2048, 512, 1])
+    assert (moe.down == expected) == (swept == "1")
