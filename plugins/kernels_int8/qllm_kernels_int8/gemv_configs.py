@@ -28,9 +28,11 @@ round trip:
 The sweep on the H200 (``gpu_run.sh bench-int8-sweep``, ``bench-int8-sweep-moe``, 2026-12-03,
 each kernel alone in a CUDA graph, L2 flushed) found every shape of Qwen3.5-35B-A3B 10-25%
 faster with smaller programs than the rule's: several loop steps of 256-2,048 columns on 1-4
-warps, 2,048-3,088 programs (``SWEPT``). Alone; in a decode step with PDL the rule's one-step
-programs load all their weights before the wait, the swept ones a step's, so which wins there
-is measured with ``QLLM_INT8_GEMV_SWEPT=1`` (``qllm.switches``; default off: the rule).
+warps, 2,048-3,088 programs (``SWEPT_GEMV``, ``SWEPT_SLOT_GEMMS``). In W3's decode step with
+PDL too, though there the rule's one-step programs load all their weights before the wait and
+the swept ones a loop step's: 494.9 against 454.9 tok/s (step 2.055 against 2.271 ms; same
+machine, ``QLLM_INT8_GEMV_SWEPT=1`` then ``0``). So the swept configs are the default where
+they exist; ``QLLM_INT8_GEMV_SWEPT=0`` (``qllm.switches``) takes the rule everywhere.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ SWEPT_ENV = "QLLM_INT8_GEMV_SWEPT"
 
 
 def _swept() -> bool:
-    return env_switch(SWEPT_ENV, default=False)
+    return env_switch(SWEPT_ENV)
 
 
 def _fit(m: int, k: int, programs: Callable[[int], int], rows_per_column: int = 1
@@ -88,8 +90,8 @@ def _fit(m: int, k: int, programs: Callable[[int], int], rows_per_column: int = 
 def default_config(m: int, n: int, k: int) -> GemvConfig:
     """The dense GEMV's rule for ``m`` rows through ``weight [n, k]``. At one row:
     ``[12352, 2048]`` and ``[9216, 2048]`` take 8 rows x 2,048 columns (4 warps), ``[2048,
-    4096]`` 8 rows x 4,096 (8 warps); at 4 rows, 4 weight rows. With
-    ``QLLM_INT8_GEMV_SWEPT=1``, the sweep's config where it has one (``SWEPT_GEMV``)."""
+    4096]`` 8 rows x 4,096 (8 warps); at 4 rows, 4 weight rows. The sweep's config where it
+    has one (``SWEPT_GEMV``), unless ``QLLM_INT8_GEMV_SWEPT=0``."""
     if _swept() and (m, n, k) in SWEPT_GEMV:
         return SWEPT_GEMV[m, n, k]
     return _fit(m, k, lambda block_n: -(-n // block_n))
@@ -99,8 +101,8 @@ def slot_moe_config(num_slots: int, inter: int, hidden: int) -> MoeConfig:
     """The MoE slot path's rule for ``num_slots`` slots through experts of ``w13 [2 * inter,
     hidden]`` and ``w2 [hidden, inter]``: one program per slot and ``BLOCK_N`` columns. At
     Qwen3.5-35B-A3B's 9 slots of one token: gate-up 4 columns (8 rows) x 2,048 (4 warps),
-    down 8 rows x 512 (1 warp). With ``QLLM_INT8_GEMV_SWEPT=1``, the sweep's configs where
-    it has them (``SWEPT_SLOT_GEMMS``)."""
+    down 8 rows x 512 (1 warp). The sweep's configs where it has them (``SWEPT_SLOT_GEMMS``),
+    unless ``QLLM_INT8_GEMV_SWEPT=0``."""
     swept = SWEPT_SLOT_GEMMS if _swept() else {}
     up = swept.get((num_slots, inter, hidden, 2)) or _fit(
         1, hidden, lambda block_n: num_slots * -(-inter // block_n), rows_per_column=2)

@@ -67,6 +67,20 @@ def _close(out: torch.Tensor, ref: torch.Tensor, dtype) -> None:
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+def _close_requantized(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """The W8A8 MoE against its reference at thousands of tokens: bf16's tolerance for all
+    but 1e-4 of the elements, 0.1 for those. The intermediate ``hidden`` is quantized again
+    per 128-column group; a summation order other than the CPU's fp32 (the GPU's MMA)
+    moves some groups' fp8 codes and scales. The reference itself, its gate and up times
+    ``1 + 2^-14`` noise at 2,048 tokens: 50 of 37.7M elements beyond 0.02, at most 0.027;
+    at ``2^-11``: 1,457, at most 0.045 (all in the shared expert's slot, weighted 0.5)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    error = (out.float() - ref.float()).abs()
+    beyond = error > TOLERANCE[torch.bfloat16] * (1 + ref.float().abs())
+    assert beyond.float().mean().item() <= 1e-4, f"{beyond.sum().item()} elements beyond"
+    assert error.max().item() <= 0.1, error.max().item()
+
+
 # ----------------------------------------------------------------------------- CPU
 
 
@@ -183,7 +197,8 @@ def check_rule(config: GemvConfig, rows: int, n: int, k: int, rows_per_column: i
 
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("shape", DENSE_SHAPES.values(), ids=DENSE_SHAPES.keys())
-def test_gemv_rule(shape, rows):
+def test_gemv_rule(shape, rows, monkeypatch):
+    monkeypatch.setenv(gemv_configs.SWEPT_ENV, "0")
     n, k = shape
     config = gemv_configs.default_config(rows, n, k)
     check_rule(config, rows, n, k)
@@ -191,8 +206,9 @@ def test_gemv_rule(shape, rows):
 
 
 @pytest.mark.parametrize("tokens", [1, 4])
-def test_slot_moe_rule(tokens):
+def test_slot_moe_rule(tokens, monkeypatch):
     """Qwen3.5-35B-A3B's experts, 8 routed slots and the shared expert's per token."""
+    monkeypatch.setenv(gemv_configs.SWEPT_ENV, "0")
     slots = 9 * tokens
     config = gemv_configs.slot_moe_config(slots, 512, 2048)
     assert config.BLOCK_M == 1
@@ -837,8 +853,8 @@ def test_table_entries(fmt, max_tokens):
         _close(ops.fused_moe_w8a16(*args), expected, torch.bfloat16)
     else:
         args = _fp8_moe_args(inputs, block)
-        _close(ops.fused_moe_fp8_block(*args), quant.fused_moe_fp8_w8a8_reference(*args),
-               torch.bfloat16)
+        _close_requantized(ops.fused_moe_fp8_block(*args),
+                           quant.fused_moe_fp8_w8a8_reference(*args))
 
 
 @cuda
