@@ -8,31 +8,30 @@ The configs are kernels_linear's ``GemvConfig`` (``BLOCK_N`` weight rows per pro
 kernels_moe's ``MoeConfig`` with ``BLOCK_M == 1`` for the MoE's slot path (each GEMM's
 ``BLOCK_N`` counts output columns: the gated GEMM reads a gate and an up row per column).
 
-The kernel is memory-bound and issues each weight byte once: what bounds it is the bytes in
-flight (loads issued before the first returns), so the rule sizes the per-thread loads rather
-than copying the bf16 GEMV's tiles, which at 1 byte per weight would move half the bytes per
-round trip:
+The kernel is memory-bound and issues each weight byte once. Each thread holds whole chunks
+of ``VECTOR`` = 8 columns (an 8-byte weight load, next to a 16-byte load of the same 8 columns
+of ``x`` in bf16: the same register layout, so nothing moves between threads); the warps lie
+side by side along K, so ``BLOCK_K`` is a multiple of ``WARP_COLUMNS * num_warps`` (smaller
+steps would put threads across rows, where ``x`` and the weights no longer share a layout).
 
-- each thread holds whole chunks of ``VECTOR`` = 8 columns (an 8-byte weight load, next to a
-  16-byte load of the same 8 columns of ``x`` in bf16: the same register layout, so nothing
-  moves between threads); the warps lie side by side along K, so ``BLOCK_K`` is a multiple of
-  ``WARP_COLUMNS * num_warps`` (smaller steps put threads across rows, where ``x`` and the
-  weights no longer share a layout);
-- one loop step covers K where it can (``SPANS`` chunks per thread and row, up to
-  ``MAX_WARPS`` warps): 2,048 columns on 4 warps, 4,096 on 8, 512 on 1;
-- ``BLOCK_N`` up to ``MAX_BLOCK_N`` weight rows (8 rows x 2 chunks x 8 bytes: 128 bytes in
-  flight per thread, as the bf16 GEMV's tuned 4 rows x 2 x 16 bytes), fewer while the grid
-  has under ``MIN_PROGRAMS`` programs or the ``[BLOCK_M, BLOCK_N, chunks]`` fp32 accumulator
-  would pass ``ACC_REGISTERS`` per thread.
+The rule comes from the sweep on the H200 (``gpu_run.sh bench-int8-sweep``,
+``bench-int8-sweep-moe``, 2026-12-03, each kernel alone in a CUDA graph, L2 flushed): at every
+shape of Qwen3.5-35B-A3B the fastest configs run many small programs, not few large ones. So:
 
-The sweep on the H200 (``gpu_run.sh bench-int8-sweep``, ``bench-int8-sweep-moe``, 2026-12-03,
-each kernel alone in a CUDA graph, L2 flushed) found every shape of Qwen3.5-35B-A3B 10-25%
-faster with smaller programs than the rule's: several loop steps of 256-2,048 columns on 1-4
-warps, 2,048-3,088 programs (``SWEPT_GEMV``, ``SWEPT_SLOT_GEMMS``). In W3's decode step with
-PDL too, though there the rule's one-step programs load all their weights before the wait and
-the swept ones a loop step's: 494.9 against 454.9 tok/s (step 2.055 against 2.271 ms; same
-machine, ``QLLM_INT8_GEMV_SWEPT=1`` then ``0``). So the swept configs are the default where
-they exist; ``QLLM_INT8_GEMV_SWEPT=0`` (``qllm.switches``) takes the rule everywhere.
+- ``STEP_BYTES`` = 2 KB of weights per program and loop step, one chunk per thread and weight
+  row (``BLOCK_K`` = ``WARP_COLUMNS`` per warp): 4 weight rows x 512 columns on 2 warps, or
+  8 x 256 on 1 warp where K <= 512 (fewer loop steps would be left);
+- fewer weight rows per program while the grid has under ``MIN_PROGRAMS`` programs (about 16
+  per SM), the step's columns growing to keep 2 KB.
+
+It picks the sweep's fastest at qkv [9216, 2048], the slot MoE's gate-up and down at one token
+and its down at four (gate-up there: third, 2% behind). Where the sweep's fastest differs
+(GDN in_proj: 4 x 256 on 1 warp; out_proj: 1 x 2,048 on 4 warps), ``SWEPT_GEMV`` holds it.
+The previous rule (one loop step over K, up to 8 rows on up to 8 warps, 128 programs at
+least) was 10-25% slower than the fastest at all seven shapes; in W3's decode step with PDL
+the swept configs gave 494.9 against its 454.9 tok/s (step 2.055 against 2.271 ms). The
+sweep's configs are the default where they exist; ``QLLM_INT8_GEMV_SWEPT=0``
+(``qllm.switches``) takes the rule everywhere.
 """
 
 from __future__ import annotations
@@ -46,10 +45,9 @@ from qllm_kernels_moe.configs import GemmConfig, MoeConfig
 GEMV_MAX_ROWS = 4  # the GEMV serves decode batches 1-4 (the graphs' padded sizes 1, 2, 4)
 VECTOR = 8  # weight columns per thread and chunk
 WARP_COLUMNS = 32 * VECTOR  # columns one warp spans
-SPANS = 2  # chunks per thread and row in one loop step, by the rule
 MAX_WARPS = 8
-MAX_BLOCK_N = 8
-MIN_PROGRAMS = 128  # about one program per SM (132 on the H200)
+STEP_BYTES = 2048  # weight bytes per program and loop step, by the rule
+MIN_PROGRAMS = 2048  # per launch, by the rule: about 16 per SM (132 on the H200)
 ACC_REGISTERS = 32  # fp32 accumulator registers per thread: BLOCK_M x BLOCK_N x chunks
 
 
@@ -77,21 +75,22 @@ def _fit(m: int, k: int, programs: Callable[[int], int], rows_per_column: int = 
          ) -> GemvConfig:
     """The rule for ``m`` input rows and K = ``k``, where ``programs(block_n)`` is the grid
     size and each of the ``block_n`` output columns reads ``rows_per_column`` weight rows."""
-    warps = max(1, min(MAX_WARPS, next_power_of_2(k) // (SPANS * WARP_COLUMNS)))
-    block_k = max(VECTOR, min(next_power_of_2(k), SPANS * WARP_COLUMNS * warps))
-    chunks = max(1, block_k // (WARP_COLUMNS * warps))  # per thread and weight row
-    block_n = MAX_BLOCK_N // rows_per_column
-    while block_n > 1 and (programs(block_n) < MIN_PROGRAMS or block_m(m) * block_n
-                           * rows_per_column * chunks > ACC_REGISTERS):
+    weight_rows = 8 if k <= 2 * WARP_COLUMNS else 4
+    block_n = max(1, weight_rows // rows_per_column)
+    while block_n > 1 and (programs(block_n) < MIN_PROGRAMS
+                           or block_m(m) * block_n * rows_per_column > ACC_REGISTERS):
         block_n //= 2
-    return GemvConfig(block_n, block_k, warps, num_stages=1)
+    step_columns = STEP_BYTES // (block_n * rows_per_column)
+    block_k = max(WARP_COLUMNS, min(next_power_of_2(k), step_columns))
+    warps = min(MAX_WARPS, block_k // WARP_COLUMNS)  # one chunk per thread and weight row
+    return GemvConfig(block_n, warps * WARP_COLUMNS, warps, num_stages=1)
 
 
 def default_config(m: int, n: int, k: int) -> GemvConfig:
-    """The dense GEMV's rule for ``m`` rows through ``weight [n, k]``. At one row:
-    ``[12352, 2048]`` and ``[9216, 2048]`` take 8 rows x 2,048 columns (4 warps), ``[2048,
-    4096]`` 8 rows x 4,096 (8 warps); at 4 rows, 4 weight rows. The sweep's config where it
-    has one (``SWEPT_GEMV``), unless ``QLLM_INT8_GEMV_SWEPT=0``."""
+    """The dense GEMV's config for ``m`` rows through ``weight [n, k]``: the sweep's where it
+    has one (``SWEPT_GEMV``), unless ``QLLM_INT8_GEMV_SWEPT=0``; else the rule: at one row
+    ``[12352, 2048]`` and ``[9216, 2048]`` take 4 rows x 512 columns (2 warps), ``[2048,
+    4096]`` 1 row x 2,048 (8 warps)."""
     if _swept() and (m, n, k) in SWEPT_GEMV:
         return SWEPT_GEMV[m, n, k]
     return _fit(m, k, lambda block_n: -(-n // block_n))
@@ -99,10 +98,10 @@ def default_config(m: int, n: int, k: int) -> GemvConfig:
 
 def slot_moe_config(num_slots: int, inter: int, hidden: int) -> MoeConfig:
     """The MoE slot path's rule for ``num_slots`` slots through experts of ``w13 [2 * inter,
-    hidden]`` and ``w2 [hidden, inter]``: one program per slot and ``BLOCK_N`` columns. At
-    Qwen3.5-35B-A3B's 9 slots of one token: gate-up 4 columns (8 rows) x 2,048 (4 warps),
-    down 8 rows x 512 (1 warp). The sweep's configs where it has them (``SWEPT_SLOT_GEMMS``),
-    unless ``QLLM_INT8_GEMV_SWEPT=0``."""
+    hidden]`` and ``w2 [hidden, inter]``: one program per slot and ``BLOCK_N`` columns. The
+    sweep's configs where it has them (``SWEPT_SLOT_GEMMS``), unless
+    ``QLLM_INT8_GEMV_SWEPT=0``; else the rule: at Qwen3.5-35B-A3B's 9 slots of one token,
+    gate-up 2 columns (4 rows) x 512 (2 warps), down 8 rows x 256 (1 warp)."""
     swept = SWEPT_SLOT_GEMMS if _swept() else {}
     up = swept.get((num_slots, inter, hidden, 2)) or _fit(
         1, hidden, lambda block_n: num_slots * -(-inter // block_n), rows_per_column=2)

@@ -186,13 +186,16 @@ DENSE_SHAPES = {"out_proj": (2048, 4096), "moe_input": (264, 2048),
                 "gdn_in_proj": (12352, 2048), "qkv_proj": (9216, 2048)}
 
 
-def check_rule(config: GemvConfig, rows: int, n: int, k: int, rows_per_column: int = 1):
+def check_rule(config: GemvConfig, rows: int, n: int, k: int, programs: int,
+               rows_per_column: int = 1):
     """A rule's config is a candidate of the sweep, keeps ``x`` and the weights in one layout
-    (``BLOCK_K`` a multiple of a warp span per warp, one loop step over these K) and fills
-    the GPU."""
+    (``BLOCK_K`` one warp span per warp: a chunk per thread and weight row), reads
+    ``STEP_BYTES`` per program and step where K allows, and fills the GPU (``programs``)."""
     assert config in gemv_configs.candidates(rows, n, k, rows_per_column)
-    assert config.BLOCK_K % (gemv_configs.WARP_COLUMNS * config.num_warps) == 0
-    assert config.BLOCK_K >= k
+    assert config.BLOCK_K == gemv_configs.WARP_COLUMNS * config.num_warps
+    step_bytes = config.BLOCK_N * rows_per_column * config.BLOCK_K
+    assert step_bytes == gemv_configs.STEP_BYTES or config.BLOCK_K >= k
+    assert programs >= gemv_configs.MIN_PROGRAMS or config.BLOCK_N == 1
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4])
@@ -201,8 +204,7 @@ def test_gemv_rule(shape, rows, monkeypatch):
     monkeypatch.setenv(gemv_configs.SWEPT_ENV, "0")
     n, k = shape
     config = gemv_configs.default_config(rows, n, k)
-    check_rule(config, rows, n, k)
-    assert -(-n // config.BLOCK_N) >= gemv_configs.MIN_PROGRAMS
+    check_rule(config, rows, n, k, -(-n // config.BLOCK_N))
 
 
 @pytest.mark.parametrize("tokens", [1, 4])
@@ -215,8 +217,20 @@ def test_slot_moe_rule(tokens, monkeypatch):
     for gemm, (n, k, rows_per_column) in ((config.up, (512, 2048, 2)),
                                          (config.down, (2048, 512, 1))):
         check_rule(GemvConfig(gemm.BLOCK_N, gemm.BLOCK_K, gemm.num_warps, gemm.num_stages),
-                   1, n, k, rows_per_column)
-        assert slots * -(-n // gemm.BLOCK_N) >= gemv_configs.MIN_PROGRAMS
+                   1, n, k, slots * -(-n // gemm.BLOCK_N), rows_per_column)
+
+
+def test_rule_picks_the_sweeps_fastest_where_measured(monkeypatch):
+    """The rule reproduces the sweep's fastest at qkv and the slot MoE's one-token GEMMs
+    and four-token down (the shapes where ``SWEPT_*`` and the rule agree)."""
+    monkeypatch.setenv(gemv_configs.SWEPT_ENV, "0")
+    assert gemv_configs.default_config(1, 9216, 2048) == gemv_configs.SWEPT_GEMV[1, 9216, 2048]
+    for slots in (9, 36):
+        rule = gemv_configs.slot_moe_config(slots, 512, 2048)
+        swept = gemv_configs.SWEPT_SLOT_GEMMS
+        assert rule.down == gemv_configs.slot_gemm_config(swept[slots, 2048, 512, 1])
+    assert gemv_configs.slot_moe_config(9, 512, 2048).up == \
+        gemv_configs.slot_gemm_config(gemv_configs.SWEPT_SLOT_GEMMS[9, 512, 2048, 2])
 
 
 @pytest.mark.parametrize("rows", [5, 16, 64, 200, 512])
@@ -882,6 +896,6 @@ def test_swept_gemv_configs_are_candidates_and_switched(swept, monkeypatch):
         assert gemv_configs.default_config(rows, n, k) == (config if swept == "1" else rule)
     for (slots, n, k, rows_per_column), config in gemv_configs.SWEPT_SLOT_GEMMS.items():
         assert config in gemv_configs.candidates(1, n, k, rows_per_column)
-    moe = gemv_configs.slot_moe_config(9, 512, 2048)
-    expected = gemv_configs.slot_gemm_config(gemv_configs.SWEPT_SLOT_GEMMS[9, 2048, 512, 1])
-    assert (moe.down == expected) == (swept == "1")
+    moe = gemv_configs.slot_moe_config(36, 512, 2048)  # four tokens: rule and sweep differ
+    expected = gemv_configs.slot_gemm_config(gemv_configs.SWEPT_SLOT_GEMMS[36, 512, 2048, 2])
+    assert (moe.up == expected) == (swept == "1")
