@@ -1,5 +1,6 @@
 """Fixtures of every test folder (``tests/`` and each ``plugins/*/tests``): tiny random
-checkpoints written by transformers, with perturbed weights."""
+checkpoints written by transformers, with perturbed weights; and the session's hooks (the
+kernel plugins' Triton-interpreter runs start in the background once collected)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from qllm.model.default_model import qwen3_tokenizer_dir
 from qllm.testing import require_qwen3_plugin, save_tiny_qwen3
+from qllm.testing.kernels import start_interpreter_runs, stop_interpreter_runs
 from qllm.testing.triton_launches import LOG_ENV, record_launches
 
 
@@ -21,6 +23,14 @@ def pytest_configure(config):
         # transformers' Qwen3.5 / Qwen3-Next use fla's Triton kernels whenever `fla` imports,
         # and those cannot run on a CPU: keep the reference on its torch path.
         sys.modules.setdefault("fla", None)
+
+
+def pytest_collection_finish(session):
+    start_interpreter_runs(session.items)  # in the background, beside the other tests
+
+
+def pytest_sessionfinish(session):
+    stop_interpreter_runs()
 
 
 @pytest.fixture(scope="session", params=["untied", "tied"])

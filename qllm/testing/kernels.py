@@ -1,7 +1,9 @@
 """Shared scaffolding of the GPU-kernel test files: skip markers, the Triton-interpreter run
 that checks the kernels on CPU tensors in a subprocess (``TRITON_INTERPRET`` must be set before
 triton is imported), then compiles each of its kernel launches for the GPU
-(``triton_launches``), and traced-graph inspection."""
+(``triton_launches``), and traced-graph inspection. The session starts the interpreter runs in
+the background when it has collected their driver tests (the root ``conftest.py``), so on the
+2-core CI machine they run beside the rest of the suite."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -29,33 +32,122 @@ interpreted = pytest.mark.skipif(not INTERPRETING,
                                  reason="runs inside test_triton_interpreter's subprocess")
 
 
-def interpreter_driver(test):
-    """Marks the test that starts the interpreter run: skipped inside that run and where the
-    interpreter cannot work."""
+def interpreter_driver(test_file: str, *pytest_args: str):
+    """The test that runs ``test_file``'s ``interpreted`` tests under the Triton interpreter
+    (``run_interpreted_tests`` with ``pytest_args``); in a test file,
+    ``test_triton_interpreter = interpreter_driver(__file__)``. Marked ``interpreter_run``,
+    so that a session starts it in the background as soon as it is collected
+    (``start_interpreter_runs``); skipped inside that run and where the interpreter cannot
+    work."""
+
+    def test_triton_interpreter():
+        run_interpreted_tests(test_file, *pytest_args)
+
+    test_triton_interpreter.__doc__ = (f"The interpreted tests of {Path(test_file).name} on "
+                                       f"the CPU, in a subprocess with the Triton interpreter.")
+    test = pytest.mark.interpreter_run(test_file, *pytest_args)(test_triton_interpreter)
     test = pytest.mark.skipif(INTERPRETING, reason="this is the interpreter run")(test)
     return pytest.mark.skipif(not INTERPRETER_WORKS,
                               reason="needs triton >= 3.7 for the interpreter")(test)
 
 
+class _InterpretedRun:
+    """One test file's interpreter run: started by the first of the background worker and its
+    driver test to claim it; the driver test waits for it and raises its failure."""
+
+    def __init__(self, test_file: str, pytest_args: tuple[str, ...]):
+        self.test_file, self.pytest_args = test_file, pytest_args
+        self._lock, self._done = threading.Lock(), threading.Event()
+        self._claimed, self._error = False, None
+
+    def claim(self) -> bool:
+        with self._lock:
+            claimed, self._claimed = self._claimed, True
+            return not claimed
+
+    def run(self) -> None:
+        try:
+            _run_interpreted(self.test_file, *self.pytest_args)
+        except Exception as error:  # noqa: BLE001 - raised again in the driver test
+            self._error = error
+        finally:
+            self._done.set()
+
+    def result(self) -> None:
+        if self.claim():
+            self.run()
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+
+_RUNS: dict[tuple, _InterpretedRun] = {}
+_PROCESSES: set[subprocess.Popen] = set()
+SUBPROCESS_TIMEOUT_S = 1800  # one stage of one file's run, with the suite running beside it
+
+
+def _interpreted_run(test_file: str, pytest_args: tuple[str, ...]) -> _InterpretedRun:
+    return _RUNS.setdefault((test_file, pytest_args), _InterpretedRun(test_file, pytest_args))
+
+
+def start_interpreter_runs(items: list[pytest.Item]) -> None:
+    """Start the interpreter runs of the collected driver tests (marked ``interpreter_run``)
+    in one background thread, one after another, while the session runs its other tests:
+    they are single-threaded, so on a 2-core machine they take the second core. Nothing
+    inside an interpreter run or where the interpreter cannot work."""
+    if INTERPRETING or not INTERPRETER_WORKS:
+        return
+    runs = [_interpreted_run(marker.args[0], tuple(marker.args[1:])) for item in items
+            if (marker := item.get_closest_marker("interpreter_run")) is not None]
+    if runs:
+        threading.Thread(target=lambda: [run.run() for run in runs if run.claim()],
+                         name="qllm-interpreter-runs", daemon=True).start()
+
+
+def stop_interpreter_runs() -> None:
+    """Kill the interpreter runs' subprocesses still running (the session ends early)."""
+    for process in list(_PROCESSES):
+        process.kill()
+
+
 def run_interpreted_tests(test_file: str, *pytest_args: str) -> None:
     """Run ``test_file``'s ``interpreted`` tests under the Triton interpreter; all must pass.
     Then every distinct kernel launch they made must compile for sm_90 (the interpreter
-    accepts code the compiler rejects)."""
+    accepts code the compiler rejects). Waits for the run where the session started it."""
+    _interpreted_run(test_file, pytest_args).result()
+
+
+def _subprocess(args: list[str], env: dict) -> tuple[int, str, str]:
+    """``args`` run with ``env``: (exit status, stdout, stderr); killed by
+    ``stop_interpreter_runs``."""
+    process = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    _PROCESSES.add(process)
+    try:
+        stdout, stderr = process.communicate(timeout=SUBPROCESS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        stdout, stderr = process.communicate()
+    finally:
+        _PROCESSES.discard(process)
+    return process.returncode, stdout, stderr
+
+
+def _run_interpreted(test_file: str, *pytest_args: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "launches.jsonl"
         env = {**os.environ, "TRITON_INTERPRET": "1", triton_launches.LOG_ENV: str(log),
                "PYTHONPATH": os.pathsep.join(sys.path)}
-        result = subprocess.run(
+        status, stdout, stderr = _subprocess(
             [sys.executable, "-m", "pytest", test_file, "-q", "-k", "interpreted",
-             "-p", "no:cacheprovider", *pytest_args],
-            env=env, capture_output=True, text=True, timeout=900)
-        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-        assert " passed" in result.stdout and " failed" not in result.stdout
+             "-p", "no:cacheprovider", *pytest_args], env)
+        assert status == 0, stdout[-6000:] + stderr[-3000:]
+        assert " passed" in stdout and " failed" not in stdout, stdout[-6000:]
         assert log.exists(), "the interpreted tests launched no qllm kernel"
         env = {key: value for key, value in env.items() if key != "TRITON_INTERPRET"}
-        compiled = subprocess.run([sys.executable, "-m", triton_launches.__name__, str(log)],
-                                  env=env, capture_output=True, text=True, timeout=900)
-        assert compiled.returncode == 0, compiled.stdout[-6000:] + compiled.stderr[-3000:]
+        status, stdout, stderr = _subprocess(
+            [sys.executable, "-m", triton_launches.__name__, str(log)], env)
+        assert status == 0, stdout[-6000:] + stderr[-3000:]
 
 
 def graphs_traced_by(run) -> list[torch.fx.GraphModule]:

@@ -26,7 +26,7 @@ pytest.importorskip("qllm_kernels_attention")
 
 # after the skip above, so the suite runs where the plugin is not installed
 from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
-                                  interpreted, interpreter_driver, run_interpreted_tests)
+                                  interpreted, interpreter_driver)
 from qllm.ops import attention, rope  # noqa: E402
 from qllm.plugins.registry import PluginRegistry  # noqa: E402
 from qllm.testing.pdl import (assert_graph_bits_equal, assert_pdl_sass,  # noqa: E402
@@ -319,10 +319,8 @@ def test_pdl_sass(op, monkeypatch):
     assert_pdl_sass(_pdl_launch(op), monkeypatch)
 
 
-@interpreter_driver
-def test_triton_interpreter():
-    """Runs the ``interpreted`` tests below on the CPU, in a subprocess with the interpreter."""
-    run_interpreted_tests(__file__, "-W", "ignore:divide by zero:RuntimeWarning")
+test_triton_interpreter = interpreter_driver(__file__, "-W",
+                                             "ignore:divide by zero:RuntimeWarning")
 
 
 # The interpreter's tl.dot reads bf16 as raw integers, so these use fp16 and fp32.

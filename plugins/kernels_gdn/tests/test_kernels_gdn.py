@@ -36,7 +36,7 @@ pytest.importorskip("qllm_kernels_gdn")
 from qllm.ops import gdn as reference  # noqa: E402
 from qllm.ops import norm as norm_reference  # noqa: E402
 from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
-                                  interpreted, interpreter_driver, run_interpreted_tests)
+                                  interpreted, interpreter_driver)
 from qllm.plugins.registry import PluginRegistry  # noqa: E402
 from qllm.testing.pdl import (assert_graph_bits_equal, assert_pdl_sass,  # noqa: E402
                               require_pdl_gpu)
@@ -527,10 +527,7 @@ def test_pdl_sass(kernel, monkeypatch):
     assert_pdl_sass(_pdl_launch(kernel), monkeypatch)
 
 
-@interpreter_driver
-def test_triton_interpreter():
-    """Runs the ``interpreted`` tests below on the CPU, in a subprocess with the interpreter."""
-    run_interpreted_tests(__file__)
+test_triton_interpreter = interpreter_driver(__file__)
 
 
 @interpreted

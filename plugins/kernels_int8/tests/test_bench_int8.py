@@ -18,8 +18,7 @@ import torch
 pytest.importorskip("qllm_kernels_int8")
 pytest.importorskip("triton")  # kernels_moe's bench_moe.py, whose grids the sweep takes
 
-from qllm.testing.kernels import (interpreted, interpreter_driver,  # noqa: E402
-                                  run_interpreted_tests)
+from qllm.testing.kernels import interpreted, interpreter_driver  # noqa: E402
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_int8.py"
 GPU_RUN = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_run.sh"
@@ -78,10 +77,7 @@ def test_sorted_sweep_plan(bench, fmt):
     assert total_s + SETUP_S * len(stage_tokens) < limit, (fmt, total_s, limit)
 
 
-@interpreter_driver
-def test_triton_interpreter():
-    """Runs the ``interpreted`` tests below on the CPU, in a subprocess with the interpreter."""
-    run_interpreted_tests(__file__)
+test_triton_interpreter = interpreter_driver(__file__)
 
 
 # name -> (tokens, experts, top_k, hidden, intermediate): a decode batch (16-slot blocks) and

@@ -36,8 +36,7 @@ import torch.nn.functional as F
 pytest.importorskip("qllm_kernels_int8")
 
 from qllm.testing.kernels import (HAS_TRITON, INTERPRETING, called_ops, cuda,  # noqa: E402
-                                  graphs_traced_by, interpreted, interpreter_driver,
-                                  run_interpreted_tests)
+                                  graphs_traced_by, interpreted, interpreter_driver)
 from qllm.ops import moe  # noqa: E402
 from qllm.plugins.registry import PluginRegistry  # noqa: E402
 from qllm.testing.pdl import (assert_graph_bits_equal, assert_pdl_sass,  # noqa: E402
@@ -498,10 +497,7 @@ def test_slot_moe_pdl_sass(gemm, fmt, monkeypatch):
     assert_pdl_sass(lambda: op(*args, tiles, block, fast_int8=True), monkeypatch)
 
 
-@interpreter_driver
-def test_triton_interpreter():
-    """Runs the ``interpreted`` tests below on the CPU, in a subprocess with the interpreter."""
-    run_interpreted_tests(__file__)
+test_triton_interpreter = interpreter_driver(__file__)
 
 
 def check_w8a16(shape: tuple[int, int, int], dtype: torch.dtype):

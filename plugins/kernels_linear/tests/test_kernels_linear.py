@@ -35,7 +35,7 @@ pytest.importorskip("qllm_kernels_linear")
 
 # after the skip above, so the suite runs where the plugin is not installed
 from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
-                                  interpreted, interpreter_driver, run_interpreted_tests)
+                                  interpreted, interpreter_driver)
 from qllm.ops import norm  # noqa: E402
 from qllm.testing.pdl import (assert_graph_bits_equal, assert_pdl_sass, force_pdl,  # noqa: E402
                               require_pdl_gpu, sass_summaries)
@@ -492,10 +492,7 @@ def test_pdl_add_rms_norm_sass(parts, monkeypatch):
     assert_pdl_sass(lambda: add_rms_norm(x, residual, weight, 1e-6, True), monkeypatch)
 
 
-@interpreter_driver
-def test_triton_interpreter():
-    """Runs the ``interpreted`` tests below on the CPU, in a subprocess with the interpreter."""
-    run_interpreted_tests(__file__)
+test_triton_interpreter = interpreter_driver(__file__)
 
 
 TINY_SHAPES = {"n24-k48": (24, 48), "n7-k40": (7, 40), "n33-k64": (33, 64)}

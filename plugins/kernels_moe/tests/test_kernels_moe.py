@@ -25,7 +25,7 @@ pytest.importorskip("qllm_kernels_moe")
 
 # after the skips above, so the suite runs where the plugin is not installed
 from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
-                                  interpreted, interpreter_driver, run_interpreted_tests)
+                                  interpreted, interpreter_driver)
 from qllm.ops import moe as reference  # noqa: E402
 from qllm.plugins.registry import PluginRegistry  # noqa: E402
 from qllm.testing.pdl import (assert_graph_bits_equal, assert_pdl_sass,  # noqa: E402
@@ -403,10 +403,7 @@ def test_pdl_sass(op, monkeypatch):
     assert_pdl_sass(_pdl_launch(op), monkeypatch)
 
 
-@interpreter_driver
-def test_triton_interpreter():
-    """Runs the ``interpreted`` tests below on the CPU, in a subprocess with the interpreter."""
-    run_interpreted_tests(__file__)
+test_triton_interpreter = interpreter_driver(__file__)
 
 
 # The interpreter's tl.dot reads bf16 as raw integers, so these use fp16 and fp32.
