@@ -25,6 +25,7 @@
 #   bench-int8: the 8-bit kernels against bf16 at those shapes (1 and 200 rows) and the MoE
 #   (1 and 4 tokens), JSON lines, then decode_step lines (W3's dense + MoE time per format);
 #   bench-int8-sweep: the 8-bit GEMV's launch-config sweep at one row (best per shape);
+#   bench-int8-sweep-rows: the same at 2 and 4 rows (decode batches the GEMV also serves);
 #   bench-int8-sweep-moe: the same for the MoE slot path's two GEMMs at 1 and 4 tokens;
 #   bench-int8-sweep-sorted: the tiles of the int8 MoE's sorted path (the op's from 5 tokens,
 #   its table in qllm_kernels_int8/configs/int8/) at W2's 200 tokens and a 16,384-token prefill
@@ -173,6 +174,9 @@ for stage in "$@"; do
                         plugins/kernels_int8/benchmarks/bench_int8.py ;;
         bench-int8-sweep) TAIL=${TAIL:-6} run bench_int8_sweep 480 python3 \
                               plugins/kernels_int8/benchmarks/bench_int8.py --sweep --parts dense ;;
+        bench-int8-sweep-rows) TAIL=${TAIL:-9} run bench_int8_sweep_rows 480 python3 \
+                                   plugins/kernels_int8/benchmarks/bench_int8.py --sweep \
+                                   --parts dense --rows 2 4 ;;
         bench-int8-sweep-moe) TAIL=${TAIL:-6} run bench_int8_sweep_moe 420 python3 \
                                   plugins/kernels_int8/benchmarks/bench_int8.py --sweep \
                                   --parts moe --moe-tokens 1 4 ;;
