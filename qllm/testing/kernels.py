@@ -55,8 +55,8 @@ class _InterpretedRun:
     """One test file's interpreter run: started by the first of the background worker and its
     driver test to claim it; the driver test waits for it and raises its failure."""
 
-    def __init__(self, test_file: str, pytest_args: tuple[str, ...]):
-        self.test_file, self.pytest_args = test_file, pytest_args
+    def __init__(self, test_file: str, pytest_args: tuple[str, ...], runner):
+        self.test_file, self.pytest_args, self._runner = test_file, pytest_args, runner
         self._lock, self._done = threading.Lock(), threading.Event()
         self._claimed, self._error = False, None
 
@@ -67,7 +67,7 @@ class _InterpretedRun:
 
     def run(self) -> None:
         try:
-            _run_interpreted(self.test_file, *self.pytest_args)
+            self._runner(self.test_file, *self.pytest_args)
         except Exception as error:  # noqa: BLE001 - raised again in the driver test
             self._error = error
         finally:
@@ -87,21 +87,32 @@ SUBPROCESS_TIMEOUT_S = 1800  # one stage of one file's run, with the suite runni
 
 
 def _interpreted_run(test_file: str, pytest_args: tuple[str, ...]) -> _InterpretedRun:
-    return _RUNS.setdefault((test_file, pytest_args), _InterpretedRun(test_file, pytest_args))
+    key = (test_file, pytest_args)
+    if key not in _RUNS:
+        _RUNS[key] = _InterpretedRun(test_file, pytest_args, _run_interpreted)
+    return _RUNS[key]
 
 
-def start_interpreter_runs(items: list[pytest.Item]) -> None:
+def start_interpreter_runs(items: list[pytest.Item]) -> threading.Thread | None:
     """Start the interpreter runs of the collected driver tests (marked ``interpreter_run``)
     in one background thread, one after another, while the session runs its other tests:
     they are single-threaded, so on a 2-core machine they take the second core. Nothing
-    inside an interpreter run or where the interpreter cannot work."""
+    inside an interpreter run or where the interpreter cannot work. Returns the thread."""
     if INTERPRETING or not INTERPRETER_WORKS:
-        return
+        return None
     runs = [_interpreted_run(marker.args[0], tuple(marker.args[1:])) for item in items
             if (marker := item.get_closest_marker("interpreter_run")) is not None]
-    if runs:
-        threading.Thread(target=lambda: [run.run() for run in runs if run.claim()],
-                         name="qllm-interpreter-runs", daemon=True).start()
+
+    def run_unclaimed():
+        for run in runs:
+            if run.claim():
+                run.run()
+
+    if not runs:
+        return None
+    worker = threading.Thread(target=run_unclaimed, name="qllm-interpreter-runs", daemon=True)
+    worker.start()
+    return worker
 
 
 def stop_interpreter_runs() -> None:
