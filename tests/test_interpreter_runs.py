@@ -37,15 +37,20 @@ def _driver_items(*runs: tuple) -> list:
 
 
 def test_background_runs_once_each_and_the_driver_gets_the_result(recorded_runs):
-    kernels.start_interpreter_runs(_driver_items(("a.py",), ("b.py", "-W", "ignore"))).join()
-    assert recorded_runs == [("a.py", ()), ("b.py", ("-W", "ignore"))]
+    workers = kernels.start_interpreter_runs(_driver_items(("a.py",), ("b.py", "-W", "ignore"),
+                                                           ("c.py",)))
+    assert len(workers) == kernels.INTERPRETER_WORKERS
+    for worker in workers:
+        worker.join()
+    assert sorted(recorded_runs) == [("a.py", ()), ("b.py", ("-W", "ignore")), ("c.py", ())]
     kernels.run_interpreted_tests("a.py")  # done in the background: not run again
     kernels.run_interpreted_tests("b.py", "-W", "ignore")
-    assert len(recorded_runs) == 2
+    assert len(recorded_runs) == 3
 
 
 def test_a_failed_run_fails_its_driver(recorded_runs):
-    kernels.start_interpreter_runs(_driver_items(("bad.py",))).join()
+    (worker,) = kernels.start_interpreter_runs(_driver_items(("bad.py",)))
+    worker.join()
     with pytest.raises(AssertionError, match="bad.py failed"):
         kernels.run_interpreted_tests("bad.py")
 
@@ -57,5 +62,5 @@ def test_a_driver_without_a_background_run_runs_it_itself(recorded_runs):
 
 def test_nothing_starts_inside_an_interpreter_run(recorded_runs, monkeypatch):
     monkeypatch.setattr(kernels, "INTERPRETING", True)
-    assert kernels.start_interpreter_runs(_driver_items(("a.py",))) is None
+    assert kernels.start_interpreter_runs(_driver_items(("a.py",))) == []
     assert recorded_runs == []
