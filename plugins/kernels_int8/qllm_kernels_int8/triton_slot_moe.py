@@ -17,8 +17,8 @@ reads the shared expert's weights and scales):
 An expert hit by several slots is read once per slot (from L2 after the first): the path pays
 while slots rarely share experts, at the token counts where kernels_moe's table chooses its own
 slot path (``BLOCK_M == 1``). Launch parameters: ``gemv_configs.slot_moe_config``. No host
-syncs: capturable in a CUDA graph. With ``QLLM_PDL=1`` both kernels are launched with
-programmatic dependent launch and wait for the previous kernel at entry
+syncs: capturable in a CUDA graph. In small decode steps (``qllm.plugins.pdl``) both kernels are
+launched with programmatic dependent launch and wait for the previous kernel at entry
 (``qllm.plugins.pdl.pdl_enter``): the expert ids come from the router, so no weight can be read
 before.
 """

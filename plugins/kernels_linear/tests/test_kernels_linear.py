@@ -208,7 +208,7 @@ def test_opcheck_cuda():
 
 
 def _pdl_on(monkeypatch):
-    """Switch PDL on as ``QLLM_PDL=1`` would (skips where the GPU cannot launch with it)."""
+    """Switch PDL on for every launch (skips where the GPU cannot launch with it)."""
     from qllm_kernels_linear import triton_gemv
 
     require_pdl_gpu()
@@ -516,7 +516,7 @@ def test_interpreted_parity(shape, rows, config, dtype, bias):
 @interpreted
 @pytest.mark.parametrize("rows", [1, 3], ids=lambda m: f"m{m}")
 def test_interpreted_parity_with_pdl_switched_on(rows, monkeypatch):
-    """``QLLM_PDL=1`` leaves the op's CPU path as it is: the interpreter runs no inline PTX,
+    """PDL switched on leaves the op's CPU path as it is: the interpreter runs no inline PTX,
     so the launch keeps PDL off."""
     force_pdl(monkeypatch, True)
     check_parity(linear_inputs(rows, 33, 64, torch.bfloat16, bias=True))

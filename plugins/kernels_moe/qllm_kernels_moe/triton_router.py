@@ -2,9 +2,9 @@
 logits, top-k (largest first; the lower expert id wins a tie), optional renormalisation, then
 the shared expert's slot (id ``E``, weight ``sigmoid`` of the gate logit that follows the
 router's). Replaces a softmax, a top-k selection and sort, a division, a sigmoid and two
-concatenations. Contract and reference: ``qllm.ops.moe.moe_router``. With ``QLLM_PDL=1`` it
-is launched with programmatic dependent launch and waits for the previous kernel at entry
-(``qllm.plugins.pdl.pdl_enter``)."""
+concatenations. Contract and reference: ``qllm.ops.moe.moe_router``. In small decode
+steps (``qllm.plugins.pdl``) it is launched with programmatic dependent launch and waits for
+the previous kernel at entry (``qllm.plugins.pdl.pdl_enter``)."""
 
 from __future__ import annotations
 
