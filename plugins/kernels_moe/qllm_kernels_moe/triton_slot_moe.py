@@ -17,10 +17,10 @@ entry with ``BLOCK_M == 1``) with ``x [T, H]``, ``topk_ids [T, k]`` (``S = T * k
 An expert hit by several slots is read once per slot (from L2 after the first), so the path
 pays only while slots rarely share experts: the tuner decides up to which token count.
 Products are accumulated over ``[BLOCK_N, BLOCK_K]`` tiles in fp32 and reduced once per row at
-the end. No host syncs: capturable in a CUDA graph. In small decode steps (``qllm.plugins.pdl``)
-both kernels are launched with programmatic dependent launch and wait for the previous kernel at entry
-(``qllm.plugins.pdl.pdl_enter``): the expert ids come from the router, so no weight can be read
-before.
+the end. No host syncs: capturable in a CUDA graph. In small decode steps
+(``qllm.plugins.pdl``) both kernels are launched with programmatic dependent launch and wait
+for the previous kernel at entry (``qllm.plugins.pdl.pdl_enter``): the expert ids come from the
+router, so no weight can be read before.
 """
 
 from __future__ import annotations
