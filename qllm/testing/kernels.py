@@ -142,6 +142,7 @@ def _subprocess(args: list[str], env: dict) -> tuple[int, str, str]:
     except subprocess.TimeoutExpired:
         process.kill()
         stdout, stderr = process.communicate()
+        stderr += f"\nkilled after {SUBPROCESS_TIMEOUT_S} s: {' '.join(args)}"
     finally:
         _PROCESSES.discard(process)
     return process.returncode, stdout, stderr
