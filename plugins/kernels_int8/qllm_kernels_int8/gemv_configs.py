@@ -65,10 +65,7 @@ SWEPT_SLOT_GEMMS = {
     (36, 2048, 512, 1): GemvConfig(8, 256, 1, 1),  # down, 4 tokens: 20.45 against 20.74
 }
 SWEPT_ENV = "QLLM_INT8_GEMV_SWEPT"
-
-
-def _swept() -> bool:
-    return env_switch(SWEPT_ENV)
+SWEPT = env_switch(SWEPT_ENV)  # read once, at import: the configs are chosen at every launch
 
 
 def _fit(m: int, k: int, programs: Callable[[int], int], rows_per_column: int = 1
@@ -91,7 +88,7 @@ def default_config(m: int, n: int, k: int) -> GemvConfig:
     has one (``SWEPT_GEMV``), unless ``QLLM_INT8_GEMV_SWEPT=0``; else the rule: at one row
     ``[12352, 2048]`` and ``[9216, 2048]`` take 4 rows x 512 columns (2 warps), ``[2048,
     4096]`` 1 row x 2,048 (8 warps)."""
-    if _swept() and (m, n, k) in SWEPT_GEMV:
+    if SWEPT and (m, n, k) in SWEPT_GEMV:
         return SWEPT_GEMV[m, n, k]
     return _fit(m, k, lambda block_n: -(-n // block_n))
 
@@ -102,7 +99,7 @@ def slot_moe_config(num_slots: int, inter: int, hidden: int) -> MoeConfig:
     sweep's configs where it has them (``SWEPT_SLOT_GEMMS``), unless
     ``QLLM_INT8_GEMV_SWEPT=0``; else the rule: at Qwen3.5-35B-A3B's 9 slots of one token,
     gate-up 2 columns (4 rows) x 512 (2 warps), down 8 rows x 256 (1 warp)."""
-    swept = SWEPT_SLOT_GEMMS if _swept() else {}
+    swept = SWEPT_SLOT_GEMMS if SWEPT else {}
     up = swept.get((num_slots, inter, hidden, 2)) or _fit(
         1, hidden, lambda block_n: num_slots * -(-inter // block_n), rows_per_column=2)
     down = swept.get((num_slots, hidden, inter, 1)) or _fit(

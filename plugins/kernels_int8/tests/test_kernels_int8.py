@@ -200,7 +200,7 @@ def check_rule(config: GemvConfig, rows: int, n: int, k: int, programs: int,
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("shape", DENSE_SHAPES.values(), ids=DENSE_SHAPES.keys())
 def test_gemv_rule(shape, rows, monkeypatch):
-    monkeypatch.setenv(gemv_configs.SWEPT_ENV, "0")
+    monkeypatch.setattr(gemv_configs, "SWEPT", False)
     n, k = shape
     config = gemv_configs.default_config(rows, n, k)
     check_rule(config, rows, n, k, -(-n // config.BLOCK_N))
@@ -209,7 +209,7 @@ def test_gemv_rule(shape, rows, monkeypatch):
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_slot_moe_rule(tokens, monkeypatch):
     """Qwen3.5-35B-A3B's experts, 8 routed slots and the shared expert's per token."""
-    monkeypatch.setenv(gemv_configs.SWEPT_ENV, "0")
+    monkeypatch.setattr(gemv_configs, "SWEPT", False)
     slots = 9 * tokens
     config = gemv_configs.slot_moe_config(slots, 512, 2048)
     assert config.BLOCK_M == 1
@@ -222,7 +222,7 @@ def test_slot_moe_rule(tokens, monkeypatch):
 def test_rule_picks_the_sweeps_fastest_where_measured(monkeypatch):
     """The rule reproduces the sweep's fastest at qkv and the slot MoE's one-token GEMMs
     and four-token down (the shapes where ``SWEPT_*`` and the rule agree)."""
-    monkeypatch.setenv(gemv_configs.SWEPT_ENV, "0")
+    monkeypatch.setattr(gemv_configs, "SWEPT", False)
     assert gemv_configs.default_config(1, 9216, 2048) == gemv_configs.SWEPT_GEMV[1, 9216, 2048]
     for slots in (9, 36):
         rule = gemv_configs.slot_moe_config(slots, 512, 2048)
@@ -885,7 +885,7 @@ def test_compiled_decode_matches_eager():
 def test_swept_gemv_configs_are_candidates_and_switched(swept, monkeypatch):
     """``QLLM_INT8_GEMV_SWEPT=1`` takes the sweep's configs at the shapes it measured (each a
     candidate of the sweep); off, the rule's."""
-    monkeypatch.setenv(gemv_configs.SWEPT_ENV, swept)
+    monkeypatch.setattr(gemv_configs, "SWEPT", swept == "1")
     for (rows, n, k), config in gemv_configs.SWEPT_GEMV.items():
         assert config in gemv_configs.candidates(rows, n, k)
         rule = gemv_configs._fit(rows, k, lambda block_n, n=n: -(-n // block_n))

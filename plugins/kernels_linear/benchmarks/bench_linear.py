@@ -87,13 +87,13 @@ def sweep(name: str, rows: int) -> dict:
     memory) are counted, not fatal."""
     x, weight, _ = linear_inputs(rows, *QWEN3_5_35B_A3B_SHAPES[name], DTYPE, "cuda")
     n, k = weight.shape
-    configs = candidates(rows, n, k)
-    compile_ahead([functools.partial(gemv, x, weight, config=config) for config in configs])
+    calls = {config: functools.partial(gemv, x, weight, config=config)
+             for config in candidates(rows, n, k)}
+    compile_ahead(calls.values())
     timed, failed = [], 0
-    for config in configs:
+    for config, call in calls.items():
         try:
-            ms = time_ms(functools.partial(gemv, x, weight, config=config), graph=True,
-                         rep=SWEEP_REP_MS)
+            ms = time_ms(call, graph=True, rep=SWEEP_REP_MS)
         except Exception:  # noqa: BLE001 - a config the GPU cannot launch is skipped
             failed += 1
             continue
