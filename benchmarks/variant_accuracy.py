@@ -39,7 +39,7 @@ def run(path: str, args, options: dict, prompts, greedy, continuations=None):
     ``continuations`` (its own outputs when None). One engine at a time, to fit the real
     geometry in host memory."""
     llm = LLM(path, device=args.device, dtype=args.dtype, enforce_eager=True,
-              max_model_len=2048, **options)
+              max_model_len=2048, max_num_seqs=len(prompts), **options)
     outputs = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
     logits = teacher_forced_logits(llm, prompts, continuations or outputs)
     del llm

@@ -100,6 +100,9 @@ class CacheRegistry:
         if config.kv_cache_memory_bytes is not None:
             return config.kv_cache_memory_bytes
         if device.type == "cuda":
+            # blocks the allocator caches but no tensor holds (loading's temporaries, an
+            # engine deleted before this one) would otherwise count as used
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(device)
             reserve = total * (1 - config.gpu_memory_utilization) + CUDA_ACTIVATION_HEADROOM_BYTES
             return int(free - reserve)
