@@ -85,7 +85,8 @@
 #   and -warm run one of the two alone, with a longer limit (W2's pair may not fit one call:
 #   run -warm in the next call, while the machine is still held, or it finds the cache cold);
 #   state-dtype: bf16 vs fp32 recurrent state at the real geometry (variant_accuracy.py, 4
-#   layers); accuracy-int8, accuracy-fp8: 8-bit weights vs bf16 the same way; tune-moe: quick MoE
+#   layers); accuracy-int8, accuracy-fp8: 8-bit weights vs bf16 the same way; accuracy-bf16:
+#   bf16 vs fp32 the same way (the scale to read the others against); tune-moe: quick MoE
 #   block-size sweep for the token counts in $TUNE_TOKENS (default "1 256") over the BLOCK_M
 #   values in $TUNE_BLOCK_M (default all; 1 is the small-batch path) over the tile grid
 #   $TUNE_GRID (default quick; decode: the weight-streaming tiles), the rewritten table
@@ -308,7 +309,7 @@ for stage in "$@"; do
             fi ;;
         state-dtype) run state_dtype 200 python3 benchmarks/variant_accuracy.py \
                          --device cuda --dtype bfloat16 --real-geometry-layers 4 ;;
-        accuracy-int8|accuracy-fp8) run "${stage/-/_}" 300 python3 benchmarks/variant_accuracy.py \
+        accuracy-int8|accuracy-fp8|accuracy-bf16) run "${stage/-/_}" 300 python3 benchmarks/variant_accuracy.py \
                          --variant "${stage#accuracy-}" --device cuda --dtype bfloat16 \
                          --real-geometry-layers 4 ;;
         *) echo "unknown stage $stage" ;;

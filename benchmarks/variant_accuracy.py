@@ -1,7 +1,8 @@
 """Accuracy cost of a cheaper engine variant against its reference, on the same weights: the
-Gated DeltaNet state in bf16 instead of fp32 (``--variant state-bf16``), or 8-bit weights
+Gated DeltaNet state in bf16 instead of fp32 (``--variant state-bf16``), 8-bit weights
 instead of the checkpoint's (``--variant int8``, ``fp8``, ``int8-experts``, ``fp8-experts``;
-qllm-kernels-int8).
+qllm-kernels-int8), or bf16 itself against fp32 (``--variant bf16``: the scale the others
+are read against, since random-weight models amplify any rounding alike).
 
 Runs the same hybrid model twice, reference then variant, and reports (a) greedy agreement
 over ``--tokens`` generated tokens per prompt; (b) at every position of the reference's
@@ -29,6 +30,7 @@ from qllm.engine.diagnostics import teacher_forced_logits
 # variant -> (the reference engine's options, the variant's)
 VARIANTS = {
     "state-bf16": ({"recurrent_state_dtype": "float32"}, {"recurrent_state_dtype": "bfloat16"}),
+    "bf16": ({"dtype": "float32"}, {"dtype": "bfloat16"}),
     **{fmt: ({}, {"quantization": fmt})
        for fmt in ("int8", "fp8", "int8-experts", "fp8-experts")},
 }
@@ -38,8 +40,8 @@ def run(path: str, args, options: dict, prompts, greedy, continuations=None):
     """Greedy outputs of an engine with ``options``, and its teacher-forced logits on
     ``continuations`` (its own outputs when None). One engine at a time, to fit the real
     geometry in host memory."""
-    llm = LLM(path, device=args.device, dtype=args.dtype, enforce_eager=True,
-              max_model_len=2048, max_num_seqs=len(prompts), **options)
+    llm = LLM(path, **{"device": args.device, "dtype": args.dtype, "enforce_eager": True,
+                       "max_model_len": 2048, "max_num_seqs": len(prompts), **options})
     outputs = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
     logits = teacher_forced_logits(llm, prompts, continuations or outputs)
     del llm

@@ -23,7 +23,7 @@ def _script():
     return module
 
 
-@pytest.mark.parametrize("variant", ["state-bf16", "int8"])
+@pytest.mark.parametrize("variant", ["state-bf16", "int8", "bf16"])
 def test_report(variant):
     if variant == "int8":
         pytest.importorskip("qllm_kernels_int8")

@@ -9,7 +9,8 @@ blocks as naming no expert. No sort: the output equals the torch version's on th
 slot for slot. Entries past the blocks in use are left unwritten (the GEMMs never read them).
 
 - Up to ``MAX_SLOTS`` slots (decode batches of up to 512 tokens at 9 slots): one launch, one
-  program per expert, each counting every slot itself (``tl.histogram``).
+  program per expert, each counting every slot itself (``tl.histogram`` over vectors of
+  ``SLOT_VECTOR`` slots), then walking the slots again to place its own.
 - More (prefill): the slots in chunks of ``CHUNK`` (the same count per chunk, in registers).
   One launch counts each chunk and adds its counts to the totals (atomics on ``E`` counters);
   then one program per (expert, chunk) ranks the expert's slots of its chunk after those of
@@ -27,9 +28,12 @@ from qllm_kernels_moe.align import SortedSlots, max_padded_slots
 MAX_SLOTS = 512 * 9  # decode batches of up to 512 tokens at top-8 plus the shared expert
 CHUNK = 4096  # slots per program past MAX_SLOTS
 NUM_WARPS = 4
-# Vector widths of the loops over blocks and over earlier chunks. They are fixed, not sized to
-# the step: a launch parameter that follows the slot count would compile a kernel variant per
-# size class, in the middle of serving (W2's last prefill step lost about 0.5 s to one).
+# Vector widths of the loops over slots, blocks and earlier chunks. They are fixed, not sized
+# to the step: a launch parameter that follows the slot count would compile a kernel variant
+# per size class, in the middle of serving (W2's last prefill step lost about 0.5 s to one;
+# the slot vector was the next power of two of the slot count until 2026-12-03: 7 compiles
+# of about 1 s in W3's start-up, one per prefill bucket).
+SLOT_VECTOR = tl.constexpr(1024)
 BLOCK_VECTOR = tl.constexpr(128)
 CHUNK_VECTOR = tl.constexpr(64)
 # Vectors at least one element per thread: tl.histogram has miscounted with replicated layouts.
@@ -78,18 +82,31 @@ def _write_run(slots_ptr, block_experts_ptr, num_blocks_ptr, ids, position, rank
                          mask=block < padded_blocks)
 
 
+@triton.jit
+def _load_ids(ids_ptr, position, num_slots, E_PAD: tl.constexpr):
+    """Expert ids of the slots at ``position``; slots past the end count in the last bin,
+    which no expert owns (``E_PAD > num_experts``)."""
+    return tl.load(ids_ptr + position, mask=position < num_slots, other=E_PAD - 1).to(tl.int32)
+
+
 @triton.jit(do_not_specialize=SIZE_ARGUMENTS)
 def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, num_blocks_ptr, num_slots,
-                  num_experts, padded_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                  S_PAD: tl.constexpr):
-    """All slots in one program per expert."""
+                  num_experts, padded_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
+    """All slots in one program per expert: every expert's count, then its own slots in
+    order."""
     expert = tl.program_id(0)
-    position = tl.arange(0, S_PAD)  # [S]
-    # slots past the end count in the last bin, which no expert owns (E_PAD > num_experts)
-    ids = tl.load(ids_ptr + position, mask=position < num_slots, other=E_PAD - 1).to(tl.int32)
-    _write_run(slots_ptr, block_experts_ptr, num_blocks_ptr, ids, position, 0,
-               tl.histogram(ids, E_PAD), expert, num_slots, num_experts, padded_blocks, True,
-               BLOCK_M, E_PAD)
+    counts = tl.zeros([E_PAD], tl.int32)  # [E]
+    for base in range(0, num_slots, SLOT_VECTOR):
+        position = base + tl.arange(0, SLOT_VECTOR)  # [S]
+        counts += tl.histogram(_load_ids(ids_ptr, position, num_slots, E_PAD), E_PAD)
+    placed = 0  # this expert's slots before the vector
+    for base in range(0, tl.maximum(num_slots, 1), SLOT_VECTOR):  # once at least: the tail
+        position = base + tl.arange(0, SLOT_VECTOR)  # [S]
+        ids = _load_ids(ids_ptr, position, num_slots, E_PAD)
+        _write_run(slots_ptr, block_experts_ptr, num_blocks_ptr, ids, position, placed,
+                   counts, expert, num_slots, num_experts, padded_blocks, base == 0,
+                   BLOCK_M, E_PAD)
+        placed += tl.sum((ids == expert).to(tl.int32), axis=0)
 
 
 @triton.jit(do_not_specialize=["num_slots"])  # the one of SIZE_ARGUMENTS it takes
@@ -98,8 +115,7 @@ def _chunk_counts_kernel(ids_ptr, chunk_counts_ptr, totals_ptr, num_slots,
     """Chunk ``c``'s count per expert into ``chunk_counts[c]``, added to ``totals``."""
     chunk = tl.program_id(0)
     position = chunk * CHUNK + tl.arange(0, CHUNK)  # [S]
-    ids = tl.load(ids_ptr + position, mask=position < num_slots, other=E_PAD - 1).to(tl.int32)
-    counts = tl.histogram(ids, E_PAD)  # [E]
+    counts = tl.histogram(_load_ids(ids_ptr, position, num_slots, E_PAD), E_PAD)  # [E]
     experts = tl.arange(0, E_PAD)
     tl.store(chunk_counts_ptr + chunk * E_PAD + experts, counts)
     tl.atomic_add(totals_ptr + experts, counts)
@@ -118,7 +134,7 @@ def _align_chunk_kernel(ids_ptr, chunk_counts_ptr, totals_ptr, slots_ptr, block_
         earlier_counts += tl.load(chunk_counts_ptr + earlier * E_PAD + expert,
                                   mask=earlier < chunk, other=0)
     position = chunk * CHUNK + tl.arange(0, CHUNK)  # [S]
-    ids = tl.load(ids_ptr + position, mask=position < num_slots, other=E_PAD - 1).to(tl.int32)
+    ids = _load_ids(ids_ptr, position, num_slots, E_PAD)
     totals = tl.load(totals_ptr + tl.arange(0, E_PAD))  # [E]
     _write_run(slots_ptr, block_experts_ptr, num_blocks_ptr, ids, position,
                tl.sum(earlier_counts, axis=0), totals, expert, num_slots, num_experts,
@@ -139,8 +155,7 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     if num_slots <= MAX_SLOTS:
         _align_kernel[(num_experts,)](
             ids, slots, block_experts, num_blocks, num_slots, num_experts, padded // block_m,
-            BLOCK_M=block_m, E_PAD=expert_pad,
-            S_PAD=max(triton.next_power_of_2(num_slots), MIN_VECTOR), num_warps=NUM_WARPS)
+            BLOCK_M=block_m, E_PAD=expert_pad, num_warps=NUM_WARPS)
         return SortedSlots(slots, block_experts, num_blocks)
     chunks = triton.cdiv(num_slots, CHUNK)
     chunk_counts = torch.empty(chunks, expert_pad, dtype=torch.int32, device=device)
