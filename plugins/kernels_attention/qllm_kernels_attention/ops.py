@@ -63,6 +63,21 @@ def _qk_norm_rope_heads_fake(q, k, q_weight, k_weight, cos_sin, positions, eps,
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
+@torch.library.custom_op("qllm_attn::kv_store", mutates_args=("k_cache", "v_cache"))
+def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """``kv_store`` for qllm (see ``qllm.ops.attention``): ``k, v [T, Hkv, D]`` into the paged
+    caches at ``slot_mapping [T]``, in place."""
+    from qllm_kernels_attention.triton_kv_store import store_kv
+
+    store_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
+@kv_store.register_fake
+def _kv_store_fake(k_cache, v_cache, k, v, slot_mapping):
+    return None
+
+
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
                  k_weight: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor,
                  eps: float, zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,16 +2,14 @@
 
 - ``triton`` (priority 10): ``paged_attention_decode`` / ``paged_attention_prefill`` on CUDA
   in fp16/bf16 when Triton is importable, and ``qk_norm_rope`` (the q/k norms and RoPE before
-  them) in any float dtype.
+  them) and ``kv_store`` (the new keys and values into the paged cache) in any float dtype.
 - ``flash_attn`` (priority 20): the same two ops through FlashAttention-2, registered only
   when ``vllm_flash_attn`` or ``flash_attn`` is installed.
 
-``kv_store`` keeps the core's ``index_put_``: CUDA-graph safe, and a plain aten op that
-``torch.compile`` turns into one small kernel per cache in the decode graph (it fused the store
-with the K/V producers, norm and rotary, before ``qk_norm_rope`` took those into one kernel of
-its own). In eager prefill it is slow: 0.34 TB/s on the H200
-(5.6 ms of W1's 45 ms 16,384-token prefill step, benchmarks/RESULTS.md); a prefill-only store
-kernel is the open alternative.
+``kv_store`` replaces the core's ``index_put_``, which ``torch.compile`` turned into one small
+kernel per cache in the decode graph (neither launched with programmatic dependent launch)
+and which ran at 0.34 TB/s in eager prefill on the H200 (5.6 ms of W1's 45 ms 16,384-token
+prefill step: benchmarks/results.jsonl, 2026-11-30).
 """
 
 from __future__ import annotations
@@ -34,6 +32,8 @@ def _triton_specs() -> list[KernelSpec]:
         KernelSpec(op="paged_attention_prefill", name="triton", fn=ops.paged_attention_prefill,
                    priority=10, is_available=triton_on_cuda()),
         KernelSpec(op="qk_norm_rope", name="triton", fn=ops.qk_norm_rope, priority=10,
+                   is_available=triton_on_cuda(FLOAT_DTYPES)),
+        KernelSpec(op="kv_store", name="triton", fn=ops.kv_store, priority=10,
                    is_available=triton_on_cuda(FLOAT_DTYPES)),
     ]
 

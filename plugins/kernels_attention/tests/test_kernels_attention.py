@@ -3,9 +3,11 @@
 - CUDA (skipped without a GPU): bf16 parity of decode and prefill over GQA ratios, page sizes,
   head dims, ragged lengths and cached prefixes; forced split counts; CUDA-graph replay;
   ``torch.compile``; ``opcheck``. The q/k norm + RoPE kernel against ``qllm.ops.rope`` at the
-  Qwen3.5 (partial rotary, zero-centred norms) and Qwen3 (full rotary) head geometries; with
-  programmatic dependent launch (``QLLM_PDL``, the ``pdl`` tests), the q/k norm + RoPE, the
-  decode and the first feeding the second in a replayed CUDA graph, the bits of PDL off.
+  Qwen3.5 (partial rotary, zero-centred norms) and Qwen3 (full rotary) head geometries; the
+  K/V store bit for bit against ``index_put_``, and compiled, in place (no copy of the cache);
+  with programmatic dependent launch (``QLLM_PDL``, the ``pdl`` tests), the q/k norm + RoPE,
+  the decode, the K/V store and each feeding the decode in a replayed CUDA graph, the bits of
+  PDL off.
 - CPU: the custom ops' fake path under ``torch.compile(fullgraph=True)``, the plugin's
   registrations, the q/k norm + RoPE's and the decode's SASS compiled for sm_90 with PDL (the
   wait before any memory access) and without (no grid-dependency control), and parity at tiny
@@ -149,6 +151,38 @@ def check_qk_norm_rope(case: dict, tokens: int, dtype: torch.dtype, device: str)
     _assert_close(k, expected_k.float(), dtype)
 
 
+def kv_store_inputs(case: dict, dtype: torch.dtype, device: str, cache_dtype=None):
+    """Caches and new rows for ``kv_store``: ``k, v [T, Hkv, D]`` strided as the attention
+    layers' splits of one ``[T, (Hq + 2 Hkv) D]`` projection, written to ``case``'s new
+    tokens' slots."""
+    x = paged_inputs(**case, dtype=cache_dtype or dtype, device=device)
+    tokens, q_heads, head_dim = x.q.shape
+    kv_heads = x.k_cache.shape[2]
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, device=device).to(dtype)
+    _, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return (x.k_cache, x.v_cache, k.unflatten(-1, (kv_heads, head_dim)),
+            v.unflatten(-1, (kv_heads, head_dim)), x.batch.caches["paged_kv"].slot_mapping)
+
+
+def check_kv_store(case: dict, dtype: torch.dtype, device: str, cache_dtype=None) -> None:
+    """The Triton store writes exactly what ``index_put_`` writes, and nothing else."""
+    k_cache, v_cache, k, v, slot_mapping = kv_store_inputs(case, dtype, device, cache_dtype)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    attention.kv_store(expected_k, expected_v, k, v, slot_mapping)
+    ops.kv_store(k_cache, v_cache, k, v, slot_mapping)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+# name -> paged_inputs case (the new tokens are the rows stored)
+GPU_KV_STORE = {"decode-b64-gqa2-d128-p256": GPU_DECODE["b64-gqa2-d128-p256"],
+                "decode-qwen3.5-d256-p32": _decode_case(16, 2, 256, 32, [700]),
+                "prefill-gqa8-d256-p32": GPU_PREFILL["prefix-gqa8-d256-p32"],
+                "prefill-gqa4-d64-p16": GPU_PREFILL["ragged-gqa4-d64-p16"]}
+TINY_KV_STORE = {"decode-gqa2-d16-p4": TINY_DECODE["gqa2-d16-p4"],
+                 "prefill-gqa3-d32-p4": TINY_PREFILL["prefix-gqa3-d32-p4"],
+                 "heads3-d12-p8": _prefill_case(3, 3, 12, 8, [9, 2], [0, 5])}
+
+
 # ----------------------------------------------------------------------------- CUDA
 
 @cuda
@@ -170,6 +204,48 @@ def test_prefill_parity(case):
 @pytest.mark.parametrize("case", GPU_QK.values(), ids=GPU_QK.keys())
 def test_qk_norm_rope_parity(case, tokens, dtype):
     check_qk_norm_rope(case, tokens, dtype, "cuda")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", GPU_KV_STORE.values(), ids=GPU_KV_STORE.keys())
+def test_kv_store_parity(case, dtype):
+    check_kv_store(case, dtype, "cuda")
+
+
+@cuda
+def test_kv_store_casts_to_the_cache_dtype():
+    check_kv_store(GPU_KV_STORE["decode-qwen3.5-d256-p32"], torch.float32, "cuda",
+                   cache_dtype=torch.bfloat16)
+
+
+@cuda
+def test_compiled_kv_store_writes_in_place():
+    """Compiled, the store writes into the cache, not into a copy of it (a functionalized
+    mutation left to copy back would cost each layer its whole cache twice per step)."""
+    class Store(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            shape = (16384, 16, 8, 128)  # 512 MiB per cache in bf16
+            self.k_cache, self.v_cache = (torch.zeros(shape, dtype=torch.bfloat16,
+                                                      device="cuda") for _ in range(2))
+
+        def forward(self, k, v, slot_mapping):
+            ops.kv_store(self.k_cache, self.v_cache, k * 2, v, slot_mapping)
+
+    store = Store()
+    store.compile(dynamic=True, fullgraph=True)
+    k, v = (torch.randn(64, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    slots = torch.randperm(16384 * 16, device="cuda")[:64]
+    store(k, v, slots)  # compiles
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    store(k, -v, slots)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - baseline < store.k_cache.nbytes // 16
+    flat_k, flat_v = (c.view(-1, 8, 128) for c in (store.k_cache, store.v_cache))
+    assert torch.equal(flat_k[slots], k * 2) and torch.equal(flat_v[slots], -v)
 
 
 @cuda
@@ -211,21 +287,29 @@ PDL_DECODE = _decode_case(16, 2, 256, 32, [700])
 
 
 @cuda
-@pytest.mark.parametrize("step", ["qk_norm_rope", "paged_decode", "qk_norm_rope+paged_decode"])
+@pytest.mark.parametrize("step", ["qk_norm_rope", "paged_decode", "qk_norm_rope+paged_decode",
+                                  "kv_store+paged_decode"])
 def test_pdl_decode_in_cuda_graph(step, monkeypatch):
     """With ``QLLM_PDL`` on, Qwen3.5's attention decode at one token: the q/k norm + RoPE, the
-    split and merge kernels of the decode, and the first feeding the second, eagerly and in a
-    CUDA graph replayed 100 times, give the bits of PDL off."""
+    split and merge kernels of the decode, the first feeding the second, and the K/V store
+    before the decode, eagerly and in a CUDA graph replayed 100 times, give the bits of PDL
+    off."""
     require_pdl_gpu()
     x = paged_inputs(**PDL_DECODE, device="cuda")
     qk_args = qk_inputs(**GPU_QK["qwen3.5"], tokens=1, dtype=torch.bfloat16, device="cuda")
+    _, _, new_k, new_v, slot_mapping = kv_store_inputs(PDL_DECODE, torch.bfloat16, "cuda")
 
     def attend(q: torch.Tensor) -> torch.Tensor:
         return ops.paged_attention_decode(q, x.k_cache, x.v_cache, x.batch, x.scale)
 
+    def store_then_attend() -> torch.Tensor:
+        ops.kv_store(x.k_cache, x.v_cache, new_k, new_v, slot_mapping)
+        return attend(x.q)
+
     steps = {"qk_norm_rope": lambda: ops.qk_norm_rope(*qk_args),
              "paged_decode": lambda: attend(x.q),
-             "qk_norm_rope+paged_decode": lambda: attend(ops.qk_norm_rope(*qk_args)[0])}
+             "qk_norm_rope+paged_decode": lambda: attend(ops.qk_norm_rope(*qk_args)[0]),
+             "kv_store+paged_decode": store_then_attend}
     assert_graph_bits_equal(steps[step], monkeypatch)
 
 
@@ -278,24 +362,37 @@ def test_qk_norm_rope_compiles_on_fake_path():
     assert all(target is operator.getitem for target in called_ops(graph)[1:])  # its (q, k)
 
 
+def test_kv_store_compiles_on_fake_path():
+    """The K/V store traces into one ``fullgraph`` node over meta tensors, its caches
+    mutated in place."""
+    args = [a.to("meta") for a in kv_store_inputs(TINY_KV_STORE["decode-gqa2-d16-p4"],
+                                                  torch.bfloat16, "cpu")]
+
+    def run(backend):
+        torch.compile(ops.kv_store, fullgraph=True, backend=backend)(*args)
+
+    (graph,) = graphs_traced_by(run)
+    assert called_ops(graph) == [torch.ops.qllm_attn.kv_store.default]
+
+
 def test_plugin_registrations():
     registry = PluginRegistry(extra_plugins=[plugin], load_entry_points=False)
     best = "flash_attn" if plugin.HAS_FLASH_ATTN else "triton" if HAS_TRITON else "torch"
+    any_float = "triton" if HAS_TRITON else "torch"  # ops registered for every float dtype
     names = registry.kernels(torch.device("cuda"), torch.bfloat16).names()
     assert names["paged_attention_decode"] == names["paged_attention_prefill"] == best
-    assert names["kv_store"] == "torch"
-    assert names["qk_norm_rope"] == ("triton" if HAS_TRITON else "torch")
+    assert names["kv_store"] == names["qk_norm_rope"] == any_float
     names = registry.kernels(torch.device("cuda"), torch.float32).names()
-    assert names["qk_norm_rope"] == ("triton" if HAS_TRITON else "torch")
-    assert {names[op] for op in names if op != "qk_norm_rope"} == {"torch"}
+    assert names["kv_store"] == names["qk_norm_rope"] == any_float
+    assert {names[op] for op in names if op not in ("kv_store", "qk_norm_rope")} == {"torch"}
     names = registry.kernels(torch.device("cpu"), torch.bfloat16).names()
     assert set(names.values()) == {"torch"}
 
 
 def _pdl_launch(op: str):
-    """The launch of the q/k norm + RoPE, or of the decode's split and merge kernels (four
-    splits: the SM count stands in as 4 off the GPU), for Qwen3.5's attention at one token, on
-    ``meta`` tensors."""
+    """The launch of the q/k norm + RoPE, of the decode's split and merge kernels (four
+    splits: the SM count stands in as 4 off the GPU), or of the K/V store, for Qwen3.5's
+    attention at one token, on ``meta`` tensors."""
     from qllm_kernels_attention.triton_decode import decode_attention
     from qllm_kernels_attention.triton_qk_norm_rope import qk_norm_rope
 
@@ -304,6 +401,11 @@ def _pdl_launch(op: str):
             **GPU_QK["qwen3.5"], tokens=1, dtype=torch.bfloat16, device="cpu")
         tensors = on_meta(q, k, *weights, cos_sin, positions)
         return lambda: qk_norm_rope(*tensors, eps, zero_centered)
+    if op == "kv_store":
+        from qllm_kernels_attention.triton_kv_store import store_kv
+
+        tensors = on_meta(*kv_store_inputs(PDL_DECODE, torch.bfloat16, "cpu"))
+        return lambda: store_kv(*tensors)
     x = paged_inputs(**PDL_DECODE)
     tensors = on_meta(x.q, x.k_cache, x.v_cache, x.batch.seq_lens,
                       x.batch.caches["paged_kv"].block_tables)
@@ -311,11 +413,12 @@ def _pdl_launch(op: str):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("op", ["qk_norm_rope", "paged_decode"])
+@pytest.mark.parametrize("op", ["qk_norm_rope", "paged_decode", "kv_store"])
 def test_pdl_sass(op, monkeypatch):
-    """The q/k norm + RoPE kernel and the decode's split and merge kernels, compiled for sm_90
-    as launched: with PDL each waits at entry, before any load or store
-    (``qllm.testing.pdl.assert_pdl_sass``); without, no grid-dependency-control instruction."""
+    """The q/k norm + RoPE kernel, the decode's split and merge kernels and the K/V store,
+    compiled for sm_90 as launched: with PDL each waits at entry, before any load or store
+    (``qllm.testing.pdl.assert_pdl_sass``); without, no grid-dependency-control
+    instruction."""
     assert_pdl_sass(_pdl_launch(op), monkeypatch)
 
 
@@ -345,6 +448,19 @@ def test_interpreted_prefill(case, dtype):
 @pytest.mark.parametrize("case", TINY_QK.values(), ids=TINY_QK.keys())
 def test_interpreted_qk_norm_rope(case, tokens, dtype):
     check_qk_norm_rope(case, tokens, dtype, "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("case", TINY_KV_STORE.values(), ids=TINY_KV_STORE.keys())
+def test_interpreted_kv_store(case, dtype):
+    check_kv_store(case, dtype, "cpu")
+
+
+@interpreted
+def test_interpreted_kv_store_casts_to_the_cache_dtype():
+    check_kv_store(TINY_KV_STORE["heads3-d12-p8"], torch.float32, "cpu",
+                   cache_dtype=torch.float16)
 
 
 @interpreted
