@@ -184,3 +184,34 @@ def called_ops(graph: torch.fx.GraphModule) -> list:
     """The targets of a traced graph's function calls, in order."""
     return [node.target for node in graph.graph.nodes if node.op == "call_function"]
 
+
+
+def assert_compiled_store_in_place(kv_store) -> None:
+    """``kv_store`` (``qllm.ops.attention.kv_store``'s signature), compiled inside a module
+    holding two 512 MiB bf16 caches on the GPU, writes its rows into them, not into a copy:
+    the step allocates under a sixteenth of a cache (a write through a view of the cache once
+    made every compiled layer copy its whole cache twice per step)."""
+
+    class Store(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            shape = (16384, 16, 8, 128)  # [pages, page size, kv heads, head dim]
+            self.k_cache, self.v_cache = (torch.zeros(shape, dtype=torch.bfloat16,
+                                                      device="cuda") for _ in range(2))
+
+        def forward(self, k, v, slot_mapping):
+            kv_store(self.k_cache, self.v_cache, k * 2, v, slot_mapping)
+
+    store = Store()
+    store.compile(dynamic=True, fullgraph=True)
+    k, v = (torch.randn(64, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    slots = torch.randperm(16384 * 16, device="cuda")[:64]
+    store(k, v, slots)  # compiles
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    store(k, -v, slots)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - baseline < store.k_cache.nbytes // 16
+    flat_k, flat_v = (c.view(-1, 8, 128) for c in (store.k_cache, store.v_cache))
+    assert torch.equal(flat_k[slots], k * 2) and torch.equal(flat_v[slots], -v)

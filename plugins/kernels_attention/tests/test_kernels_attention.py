@@ -27,8 +27,9 @@ import torch
 pytest.importorskip("qllm_kernels_attention")
 
 # after the skip above, so the suite runs where the plugin is not installed
-from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by,  # noqa: E402
-                                  interpreted, interpreter_driver)
+from qllm.testing.kernels import (HAS_TRITON, assert_compiled_store_in_place,  # noqa: E402
+                                  called_ops, cuda, graphs_traced_by, interpreted,
+                                  interpreter_driver)
 from qllm.ops import attention, rope  # noqa: E402
 from qllm.plugins.registry import PluginRegistry  # noqa: E402
 from qllm.testing.pdl import (assert_graph_bits_equal, assert_pdl_sass,  # noqa: E402
@@ -222,30 +223,8 @@ def test_kv_store_casts_to_the_cache_dtype():
 @cuda
 def test_compiled_kv_store_writes_in_place():
     """Compiled, the store writes into the cache, not into a copy of it (a functionalized
-    mutation left to copy back would cost each layer its whole cache twice per step)."""
-    class Store(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            shape = (16384, 16, 8, 128)  # 512 MiB per cache in bf16
-            self.k_cache, self.v_cache = (torch.zeros(shape, dtype=torch.bfloat16,
-                                                      device="cuda") for _ in range(2))
-
-        def forward(self, k, v, slot_mapping):
-            ops.kv_store(self.k_cache, self.v_cache, k * 2, v, slot_mapping)
-
-    store = Store()
-    store.compile(dynamic=True, fullgraph=True)
-    k, v = (torch.randn(64, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    slots = torch.randperm(16384 * 16, device="cuda")[:64]
-    store(k, v, slots)  # compiles
-    torch.cuda.synchronize()
-    baseline = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    store(k, -v, slots)
-    torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - baseline < store.k_cache.nbytes // 16
-    flat_k, flat_v = (c.view(-1, 8, 128) for c in (store.k_cache, store.v_cache))
-    assert torch.equal(flat_k[slots], k * 2) and torch.equal(flat_v[slots], -v)
+    mutation copied back would cost each layer its whole cache twice per step)."""
+    assert_compiled_store_in_place(ops.kv_store)
 
 
 @cuda

@@ -9,6 +9,7 @@ import torch
 from qllm import LLM, SamplingParams
 from qllm.testing import (assert_greedy_equal_up_to_ties, assert_same_tokens, prefill_logits,
                           random_prompts, save_tiny_qwen3)
+from qllm.testing.kernels import assert_compiled_store_in_place
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -39,34 +40,10 @@ def test_bf16_last_token_logits_match_transformers(checkpoint):
 
 
 def test_compiled_kv_store_writes_in_place():
-    """The compiled store must scatter into the cache, not copy it: a write through a view of
-    the cache once made every compiled layer copy its whole cache twice per step."""
+    """The core's compiled store must scatter into the cache, not copy it."""
     from qllm.ops.attention import kv_store
 
-    class Store(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            shape = (16384, 16, 8, 128)  # 512 MiB per cache in bf16
-            for name in ("k_cache", "v_cache"):
-                self.register_buffer(name, torch.zeros(shape, dtype=torch.bfloat16,
-                                                       device="cuda"), persistent=False)
-
-        def forward(self, k, v, slot_mapping):
-            kv_store(self.k_cache, self.v_cache, k * 2, v, slot_mapping)
-
-    store = Store()
-    store.compile(dynamic=True, fullgraph=True)
-    k, v = (torch.randn(64, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    slots = torch.randperm(16384 * 16, device="cuda")[:64]
-    store(k, v, slots)  # compiles
-    torch.cuda.synchronize()
-    baseline = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    store(k, -v, slots)
-    torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - baseline < store.k_cache.nbytes // 16
-    flat_k, flat_v = (c.view(-1, 8, 128) for c in (store.k_cache, store.v_cache))
-    assert torch.equal(flat_k[slots], k * 2) and torch.equal(flat_v[slots], -v)
+    assert_compiled_store_in_place(kv_store)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
