@@ -21,15 +21,33 @@ def test_summary_totals_and_orders_kernels_by_seconds():
     summary = log.summary(top=1)
     assert (summary["compiled"], summary["cached"], summary["seconds"]) == (3, 1, 4.01)
     assert summary["top"] == [{"name": "moe_gemm", "compiled": 2, "cached": 0, "seconds": 3.5}]
+    assert summary["by_phase"] == {"other": {"compiled": 3, "cached": 1, "seconds": 4.01}}
     assert log.line() == ("Triton JIT 3 compiled + 1 cached in 4.0 s "
-                          "(moe_gemm 2 x 3.5 s, rms_norm 1 x 0.5 s)")
+                          "(moe_gemm 2 x 3.5 s, rms_norm 1 x 0.5 s; by phase: other 3 x 4.0 s)")
+
+
+def test_compiles_count_under_the_start_up_phase_they_happen_in():
+    report = StartupReport(CompileCache(None))
+    log = report.triton_compiles
+    with report.phase("graph_capture"):
+        log.record("decode_split", 1.0, cache_hit=False)
+        log.record("decode_merge", 0.5, cache_hit=False)
+    with report.phase("warm_up"):
+        log.record("chunk_h", 2.0, cache_hit=False)
+    log.record("late", 0.25, cache_hit=True)  # outside any phase
+    assert log.phase is None
+    assert report.summary()["triton_jit"]["by_phase"] == {
+        "graph_capture": {"compiled": 2, "cached": 0, "seconds": 1.5},
+        "warm_up": {"compiled": 1, "cached": 0, "seconds": 2.0},
+        "other": {"compiled": 0, "cached": 1, "seconds": 0.25}}
+    assert "by phase: graph capture 2 x 1.5 s, warm up 1 x 2.0 s)" in report.ready()
 
 
 def test_start_up_line_leaves_out_triton_when_nothing_compiled(tmp_path):
     report = StartupReport(CompileCache(None))
     assert "Triton JIT" not in report.ready()
     assert report.summary()["triton_jit"] == {"compiled": 0, "cached": 0, "seconds": 0.0,
-                                              "top": []}
+                                              "top": [], "by_phase": {}}
 
 
 @pytest.mark.skipif(sm90_compiler_missing() is not None, reason=str(sm90_compiler_missing()))

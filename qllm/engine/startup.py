@@ -47,11 +47,14 @@ class StartupReport:
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        """Time the block as phase ``name``, less the torch.compile time within it."""
+        """Time the block as phase ``name``, less the torch.compile time within it; Triton's
+        compiles within it count under ``name`` (``TritonCompileLog.phase``)."""
         start, compiled = time.perf_counter(), compile_seconds_so_far()
+        outer, self.triton_compiles.phase = self.triton_compiles.phase, name
         try:
             yield
         finally:
+            self.triton_compiles.phase = outer
             seconds = time.perf_counter() - start
             if compiled is not None:
                 seconds -= compile_seconds_so_far() - compiled

@@ -26,10 +26,14 @@ class KernelCompiles:
 
 class TritonCompileLog:
     """Counts Triton's compiles by kernel name between ``start`` and ``stop`` (or within a
-    ``with`` block); a listener installed before is kept and still called."""
+    ``with`` block), and by ``phase``: the label set while they happen (start-up phases; any
+    compile outside one counts under ``other``). A listener installed before is kept and still
+    called."""
 
     def __init__(self):
         self.kernels: dict[str, KernelCompiles] = {}
+        self.phase: str | None = None
+        self.phases: dict[str, KernelCompiles] = {}
         self._previous = None
         self._knobs = None
         self._lock = threading.Lock()  # compiles may run in worker threads
@@ -67,14 +71,17 @@ class TritonCompileLog:
     def record(self, name: str, seconds: float, cache_hit: bool) -> None:
         """Count one compile of kernel ``name`` (what the listener does per event)."""
         with self._lock:
-            entry = self.kernels.setdefault(name, KernelCompiles())
-            entry.cached += cache_hit
-            entry.compiled += not cache_hit
-            entry.seconds += seconds
+            for entry in (self.kernels.setdefault(name, KernelCompiles()),
+                          self.phases.setdefault(self.phase or "other", KernelCompiles())):
+                entry.cached += cache_hit
+                entry.compiled += not cache_hit
+                entry.seconds += seconds
 
     def summary(self, top: int = 10) -> dict:
-        """Totals (``compiled``, ``cached``, ``seconds``) and the ``top`` kernels by seconds,
-        each ``{name, compiled, cached, seconds}``."""
+        """Totals (``compiled``, ``cached``, ``seconds``), the ``top`` kernels by seconds, each
+        ``{name, compiled, cached, seconds}``, and ``by_phase``: ``{phase: {compiled, cached,
+        seconds}}`` (seconds summed over threads: parallel compiles can exceed the wall
+        time)."""
         with self._lock:
             kernels = sorted(self.kernels.items(), key=lambda item: -item[1].seconds)
             return {
@@ -83,12 +90,23 @@ class TritonCompileLog:
                 "seconds": round(sum(k.seconds for _, k in kernels), 2),
                 "top": [{"name": name, "compiled": k.compiled, "cached": k.cached,
                          "seconds": round(k.seconds, 2)} for name, k in kernels[:top]],
+                "by_phase": {phase: {"compiled": k.compiled, "cached": k.cached,
+                                     "seconds": round(k.seconds, 2)}
+                             for phase, k in self.phases.items()},
             }
 
     def line(self, top: int = 3) -> str:
-        """``Triton JIT 153 compiled + 20 cached in 412.3 s (k1 40 x 80.1 s, ...)``."""
+        """``Triton JIT 153 compiled + 20 cached in 412.3 s (k1 40 x 80.1 s, ...; by phase:
+        warm up 120 x 300.2 s, ...)``."""
         summary = self.summary(top)
         slowest = ", ".join(f"{k['name']} {k['compiled']} x {k['seconds']:.1f} s"
                             for k in summary["top"] if k["compiled"])
+        by_phase = ", ".join(f"{phase.replace('_', ' ')} {k['compiled']} x {k['seconds']:.1f} s"
+                             for phase, k in summary["by_phase"].items() if k["compiled"])
+        details = []
+        if slowest:
+            details.append(slowest)
+        if by_phase:
+            details.append(f"by phase: {by_phase}")
         return (f"Triton JIT {summary['compiled']} compiled + {summary['cached']} cached in "
-                f"{summary['seconds']:.1f} s" + (f" ({slowest})" if slowest else ""))
+                f"{summary['seconds']:.1f} s" + (f" ({'; '.join(details)})" if details else ""))
