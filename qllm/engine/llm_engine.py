@@ -55,8 +55,9 @@ class LLMEngine:
         check_model_dir(config.model)
         # before anything compiles: torch's and Triton's caches are process-wide
         self.startup = StartupReport(compile_cache.configure(config.compile_cache_dir))
-        self.device = resolve_device(config.device)
-        hf_config = load_hf_config(config.model, self.plugins)
+        with self.startup.phase("setup"):  # the device's context, the model's config
+            self.device = resolve_device(config.device)
+            hf_config = load_hf_config(config.model, self.plugins)
         self.hf_config = hf_config
         text_config = hf_config.get_text_config()
         self.vocab_size = text_config.vocab_size
