@@ -101,3 +101,17 @@ def test_a_bad_switch_value_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="QLLM_PARALLEL_AUTOTUNE"):
         with parallel_autotune(workers=1):
             pass
+
+
+def test_tuned_configs_lists_each_key_a_kernel_was_tuned_for():
+    from qllm.runner.parallel_autotune import tuned_configs
+
+    kernel = _autotuned([])
+    kernel[(1,)](None, 64)
+    kernel[(1,)](None, 128)
+    entries = tuned_configs([kernel])["kernel"]
+    assert [entry["key"] for entry in entries] == [[128], [64]]  # sorted as text
+    assert all(entry["kwargs"]["BLOCK"] in (16, 32) and entry["num_warps"] == 4
+               and entry["num_stages"] >= 1 for entry in entries)
+    # by default, every autotuner alive: this one's entries among them
+    assert all(entry in tuned_configs()["kernel"] for entry in entries)

@@ -66,3 +66,27 @@ def parallel_autotune(workers: int | None = None, enabled: bool = True):
     finally:
         Autotuner.run = original_run
         pool.shutdown(wait=True)
+
+
+def tuned_configs(autotuners=None) -> dict[str, list[dict]]:
+    """The configs Triton autotuners picked (``autotuners``; default: every one alive in this
+    process): per kernel name, one entry per tuning key, ``{key, kwargs, num_warps,
+    num_stages}`` (keys as Triton builds them: the values of the autotuner's ``key``
+    arguments, then the tensor arguments' dtypes). What a table of pinned configs needs, read
+    after a start-up on the GPU it is for."""
+    import gc
+
+    from triton.runtime.autotuner import Autotuner
+
+    if autotuners is None:
+        autotuners = [obj for obj in gc.get_objects() if isinstance(obj, Autotuner)]
+    found: dict[str, list[dict]] = {}
+    for autotuner in autotuners:
+        for key, config in autotuner.cache.items():
+            found.setdefault(autotuner.base_fn.__name__, []).append({
+                "key": [value if isinstance(value, (int, float, str, bool)) else str(value)
+                        for value in key],
+                "kwargs": dict(config.kwargs), "num_warps": config.num_warps,
+                "num_stages": config.num_stages})
+    return {name: sorted(entries, key=lambda entry: str(entry["key"]))
+            for name, entries in sorted(found.items())}
