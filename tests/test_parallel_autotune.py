@@ -4,6 +4,8 @@ compiles are recorded instead of run."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -113,5 +115,7 @@ def test_tuned_configs_lists_each_key_a_kernel_was_tuned_for():
     assert [entry["key"] for entry in entries] == [[128], [64]]  # sorted as text
     assert all(entry["kwargs"]["BLOCK"] in (16, 32) and entry["num_warps"] == 4
                and entry["num_stages"] >= 1 for entry in entries)
-    # by default, every autotuner alive: this one's entries among them
+    # by default, every autotuner alive: this one's entries among them, the scan unbroken by
+    # a weak proxy whose referent is gone (isinstance() on it raises ReferenceError)
+    gone = weakref.proxy(type("Gone", (), {})())  # noqa: F841 (kept alive for the scan)
     assert all(entry in tuned_configs()["kernel"] for entry in entries)

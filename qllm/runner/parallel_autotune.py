@@ -78,8 +78,9 @@ def tuned_configs(autotuners=None) -> dict[str, list[dict]]:
 
     from triton.runtime.autotuner import Autotuner
 
-    if autotuners is None:
-        autotuners = [obj for obj in gc.get_objects() if isinstance(obj, Autotuner)]
+    if autotuners is None:  # type(), not isinstance(): the latter asks a weak proxy for its
+        # referent's class, which raises once the referent is gone
+        autotuners = [obj for obj in gc.get_objects() if issubclass(type(obj), Autotuner)]
     found: dict[str, list[dict]] = {}
     for autotuner in autotuners:
         for key, config in autotuner.cache.items():
