@@ -315,9 +315,9 @@ for stage in "$@"; do
             fi ;;
         state-dtype) run state_dtype 200 python3 benchmarks/variant_accuracy.py \
                          --device cuda --dtype bfloat16 --real-geometry-layers 4 ;;
-        accuracy-int8|accuracy-fp8|accuracy-bf16) run "${stage/-/_}" 300 python3 benchmarks/variant_accuracy.py \
-                         --variant "${stage#accuracy-}" --device cuda --dtype bfloat16 \
-                         --real-geometry-layers 4 ;;
+        accuracy-int8|accuracy-fp8|accuracy-bf16) run "${stage/-/_}" 300 python3 \
+                         benchmarks/variant_accuracy.py --variant "${stage#accuracy-}" \
+                         --device cuda --dtype bfloat16 --real-geometry-layers 4 ;;
         *) echo "unknown stage $stage" ;;
     esac
 done

@@ -185,7 +185,6 @@ def called_ops(graph: torch.fx.GraphModule) -> list:
     return [node.target for node in graph.graph.nodes if node.op == "call_function"]
 
 
-
 def assert_compiled_store_in_place(kv_store) -> None:
     """``kv_store`` (``qllm.ops.attention.kv_store``'s signature), compiled inside a module
     holding two 512 MiB bf16 caches on the GPU, writes its rows into them, not into a copy:

@@ -8,8 +8,8 @@ and 16,384 new tokens (``--kinds`` picks among the three). Times are medians of
 engine, so its ``ms`` is a graph replay (``eager_ms``: plain calls, CPU launch cost included);
 prefill runs eagerly (a store of 256 tokens or fewer is a decode step's: graph replays). GB/s
 counts the bytes a call must move at least (every cached K/V once, q, out; a store reads and
-writes each new K/V row once) against the H200's ~4.3 TB/s; ``max_err`` is the largest difference from the
-reference. Prints a table, then one JSON object per row.
+writes each new K/V row once) against the H200's ~4.3 TB/s; ``max_err`` is the largest
+difference from the reference. Prints a table, then one JSON object per row.
 
     python plugins/kernels_attention/benchmarks/bench_attention.py \
         [--page 256] [--impl triton torch] [--kinds decode prefill store]

@@ -34,9 +34,10 @@ candidate of ``gemm_configs.swap_ab_candidates``.
 At MoE token counts where the op takes the sorted path (its table entry has ``BLOCK_M`` > 1:
 5 tokens and more), ``--sweep`` times the sorted path's tiles instead
 (``triton_moe.fused_moe_8bit``'s, from the plugin's table of the format,
-``triton_moe.moe_config``): each GEMM alone (gate-up on ``x``, down on its output; ``triton_moe._launch`` on the
-sort at each ``BLOCK_M``) at every candidate of kernels_moe's tuning grid
-(``bench_moe.py``'s ``gemm_candidates`` over one of its ``GRIDS``, the rule's tiles added), one
+``triton_moe.moe_config``): each GEMM alone (gate-up on ``x``, down on its output;
+``triton_moe._launch`` on the sort at each ``BLOCK_M``) at every candidate of kernels_moe's
+tuning grid (``bench_moe.py``'s ``gemm_candidates`` over one of its ``GRIDS``, the rule's
+tiles added), one
 JSON line per GEMM (``moe_sorted_gate_up``, ``moe_sorted_down``: the five fastest, the rule's
 time), then one ``moe_sorted`` line: per ``BLOCK_M`` the align plus each GEMM's best, and the
 fastest of those sums timed as the whole op against the rule's config (what the op runs
