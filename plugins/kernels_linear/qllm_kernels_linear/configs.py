@@ -103,10 +103,12 @@ def default_config(m: int, n: int, k: int) -> GemvConfig:
     return GemvConfig(block_n, block_k, warps, num_stages=1)
 
 
-# The sweep's grid: per warp count, BLOCK_K of one or two warp spans per warp (no layout
-# conversion, see above; the second only up to K); accumulators up to twice ACC_REGISTERS.
-SWEEP_BLOCK_N = (1, 2, 4, 8, 16)
-SWEEP_WARPS = (2, 4, 8)
+# The sweep's grid: per warp count, one, two or four warp spans per warp (BLOCK_K up to K, or
+# one span per warp when K is smaller; whole spans: no layout conversion, see above);
+# accumulators up to twice ACC_REGISTERS; pipelining only where the loop has several steps.
+SWEEP_BLOCK_N = (1, 2, 4, 8, 16, 32)
+SWEEP_WARPS = (1, 2, 4, 8)
+SWEEP_SPANS = (1, 2, 4)
 SWEEP_STAGES = (1, 2, 3)
 
 
@@ -115,12 +117,13 @@ def candidates(m: int, n: int, k: int) -> list[GemvConfig]:
     rows = block_m(m)
     found = []
     for warps in SWEEP_WARPS:
-        for block_k in (WARP_COLUMNS * warps, 2 * WARP_COLUMNS * warps):
+        for spans in SWEEP_SPANS:
+            block_k = spans * WARP_COLUMNS * warps
             if block_k > max(next_power_of_2(k), WARP_COLUMNS * warps):
                 continue
             for block_n in SWEEP_BLOCK_N:
                 per_thread = rows * block_n * block_k // (32 * warps)  # accumulator registers
                 if block_n <= n and per_thread <= 2 * ACC_REGISTERS:
                     found += [GemvConfig(block_n, block_k, warps, stages)
-                              for stages in SWEEP_STAGES]
+                              for stages in SWEEP_STAGES if stages == 1 or block_k < k]
     return found

@@ -138,15 +138,17 @@ def gemm_candidates(block_m: int, gated: bool, many_blocks_per_expert: bool, gri
 
 # The small-batch path (BLOCK_M 1): rows per program, the K tile each row streams, warps and
 # loop stages; tried up to SLOT_PATH_TUNE_TOKENS tokens.
-SLOT_GRID = dict(n=(2, 4, 8, 16, 32), k=(256, 512, 1024), warps=(2, 4, 8), stages=(1, 2))
+SLOT_GRID = dict(n=(1, 2, 4, 8, 16, 32), k=(256, 512, 1024), warps=(1, 2, 4, 8),
+                 stages=(1, 2))
 SLOT_PATH_TUNE_TOKENS = 16
 SLOT_TILE_ELEMENTS = 16384  # fp32 accumulator elements per program, at most
+SLOT_THREAD_ELEMENTS = 128  # and per thread (the gated GEMM holds two such tiles)
 
 
 def slot_candidates():
     """Tiles of the small-batch path's GEMVs whose fp32 accumulators stay in registers."""
     for n, k, warps, stages in itertools.product(*SLOT_GRID.values()):
-        if n * k <= SLOT_TILE_ELEMENTS:
+        if n * k <= min(SLOT_TILE_ELEMENTS, SLOT_THREAD_ELEMENTS * 32 * warps):
             yield GemmConfig(n, k, 1, warps, stages)
 
 
