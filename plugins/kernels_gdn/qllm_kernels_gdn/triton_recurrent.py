@@ -114,8 +114,7 @@ def _launch_config(num_seqs: int, num_heads: int, dv: int, state: torch.Tensor
 
     Value-major state (key stride 1, as the models store it): bf16 8 value dims on one warp (a
     2 KB tile; at batch 200, consecutive slots: 112.1 us per layer, 114.4 at 16, 120.5 at
-    128 x 8 warps), or 16 where 8 would leave fewer than 512 programs of 16 (batch 1: 16 x 1
-    6.9 us, 8 not measured); fp32 16 on 2 warps (218.4 us at batch 200; 217.9 at 32 x 1,
+    128 x 8 warps; at batch 1: 6.5 us, 7.1 at 16 x 1, 2026-12-03); fp32 16 on 2 warps (218.4 us at batch 200; 217.9 at 32 x 1,
     whose 32 x 128 fp32 tile per warp needs 254 registers a thread under Triton 3.7 and spills
     32 bytes under the H200 image's 3.6; 240.9 at 16 x 1) (2026-11-30). Key-major
     (contiguous) state: where 32 value dims per program leave too few programs to fill the
@@ -124,8 +123,7 @@ def _launch_config(num_seqs: int, num_heads: int, dv: int, state: torch.Tensor
     if state.stride(-2) == 1 and state.dtype.itemsize > 2:
         block_v, num_warps = 16, 2
     elif state.stride(-2) == 1:
-        block_v = 8 if num_seqs * num_heads * triton.cdiv(dv, 16) >= MIN_PROGRAMS else 16
-        num_warps = 1
+        block_v, num_warps = 8, 1
     elif num_seqs * num_heads * triton.cdiv(dv, 32) < MIN_PROGRAMS:
         block_v, num_warps = 16, 2
     elif state.dtype.itemsize <= 2:
