@@ -114,9 +114,10 @@ def _launch_config(num_seqs: int, num_heads: int, dv: int, state: torch.Tensor
 
     Value-major state (key stride 1, as the models store it): bf16 8 value dims on one warp (a
     2 KB tile; at batch 200, consecutive slots: 112.1 us per layer, 114.4 at 16, 120.5 at
-    128 x 8 warps; at batch 1: 6.5 us, 7.1 at 16 x 1, 2026-12-03); fp32 16 on 2 warps (218.4 us at batch 200; 217.9 at 32 x 1,
-    whose 32 x 128 fp32 tile per warp needs 254 registers a thread under Triton 3.7 and spills
-    32 bytes under the H200 image's 3.6; 240.9 at 16 x 1) (2026-11-30). Key-major
+    128 x 8 warps; at batch 1: 6.5 us, 7.1 at 16 x 1, 2026-12-03); fp32 16 on 2 warps (218.4
+    us at batch 200; 217.9 at 32 x 1, whose 32 x 128 fp32 tile per warp needs 254 registers a
+    thread under Triton 3.7 and spills 32 bytes under the H200 image's 3.6; 240.9 at 16 x 1)
+    (2026-11-30). Key-major
     (contiguous) state: where 32 value dims per program leave too few programs to fill the
     GPU, 16 with 2 warps; otherwise bf16 32 x 2 warps (142 us at batch 200; 149 at 64 x 4),
     fp32 64 x 4 warps (222 us; 231 at 32 x 2)."""
