@@ -62,9 +62,11 @@
 #   startup-w2-cold: W2's start-up alone, twice, each on an emptied compile cache
 #   (QLLM_CACHE_DIR=/tmp/qllm-startup-N): autotuned kernels' configs compiled one by one
 #   (QLLM_PARALLEL_AUTOTUNE=0), then in parallel (the default); STARTUP_MODES=1 runs only the
-#   default; the start-up lines say what Triton compiled; tuned-configs-w2: W2's start-up,
-#   then the configs Triton's autotuners picked (fla's chunked kernels: what a table of
-#   pinned configs for this GPU needs) into $OUT/tuned-configs-w2.json;
+#   default; the start-up lines say what Triton compiled; fla-configs-w2: W2's start-up with
+#   fla's kernels autotuned, then the configs they picked into $OUT/fla_configs/<GPU name>/
+#   (copy it into plugins/kernels_gdn/qllm_kernels_gdn/fla_configs/ to ship it);
+#   startup-w2-fla-configs: W2's start-up on an emptied cache without, then with, the fla
+#   configs shipped for this GPU (QLLM_FLA_CONFIGS=0, 1);
 #   w2-no-prefix-cache: W2 with the hybrid prefix cache off (0 state checkpoints; on by
 #   default, as in w2); prefix-cache:
 #   prefix_cache.py (64 requests sharing a 4,000-token prompt, cache off then on);
@@ -212,13 +214,19 @@ for stage in "$@"; do
         w2) run w2 360 python3 benchmarks/throughput.py --workload w2 --max-num-seqs 200 \
                 --max-model-len 3072 --recurrent-state-dtype bfloat16 \
                 --profile-decode 200 2000 --profile-out "$out" ;;
-        tuned-configs-w2) run tuned_configs_w2 300 python3 benchmarks/throughput.py \
-                              --workload w2 --max-num-seqs 200 --max-model-len 3072 \
-                              --recurrent-state-dtype bfloat16 --startup-only \
-                              --dump-tuned-configs "$out/tuned-configs-w2.json" ;;
+        fla-configs-w2) QLLM_FLA_CONFIGS=0 run fla_configs_w2 300 python3 \
+                            benchmarks/throughput.py --workload w2 --max-num-seqs 200 \
+                            --max-model-len 3072 --recurrent-state-dtype bfloat16 \
+                            --startup-only --dump-fla-configs "$out/fla_configs" ;;
         startup-w2-cold) for mode in ${STARTUP_MODES:-0 1}; do  # parallel autotune off, on
                 QLLM_PARALLEL_AUTOTUNE=$mode QLLM_CACHE_DIR=/tmp/qllm-startup-$mode \
                     TAIL=2 run startup_w2_cold_parallel_$mode 300 python3 \
+                    benchmarks/throughput.py --workload w2 --max-num-seqs 200 \
+                    --max-model-len 3072 --recurrent-state-dtype bfloat16 --startup-only
+            done ;;
+        startup-w2-fla-configs) for mode in 0 1; do
+                QLLM_FLA_CONFIGS=$mode QLLM_CACHE_DIR=/tmp/qllm-startup-fla-$mode \
+                    TAIL=2 run startup_w2_fla_configs_$mode 300 python3 \
                     benchmarks/throughput.py --workload w2 --max-num-seqs 200 \
                     --max-model-len 3072 --recurrent-state-dtype bfloat16 --startup-only
             done ;;

@@ -14,8 +14,9 @@ compile cache was cold or warm; ``QLLM_CACHE_DIR`` chooses the cache). With
 ``--profile-decode BATCH CONTEXT`` the same engine then profiles decode steps at that batch
 and context (``profile_step.py``; figures under ``decode_profile``, files under ``$OUT``),
 which saves a second start-up; ``--startup-only`` stops after the start-up, and
-``--dump-tuned-configs FILE`` writes the configs Triton's autotuners picked by then (fla's
-chunked kernels, ``qllm.runner.parallel_autotune.tuned_configs``) as JSON.
+``--dump-fla-configs ROOT`` writes the configs fla's autotuned kernels picked by then to
+``ROOT/<GPU name>/``, the layout of the configs kernels_gdn ships
+(``qllm_kernels_gdn.fla_configs``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -56,11 +58,11 @@ def run_qllm(model_dir: str, prompts, params, args) -> dict:
               tensor_parallel_size=args.tensor_parallel_size)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     startup = time.perf_counter() - start
-    if args.dump_tuned_configs:
-        from qllm.runner.parallel_autotune import tuned_configs
+    if args.dump_fla_configs:
+        from qllm_kernels_gdn.fla_configs import gpu_folder_name, write_configs
 
-        with open(args.dump_tuned_configs, "w") as f:
-            json.dump(tuned_configs(), f, indent=1)
+        folder = Path(args.dump_fla_configs) / gpu_folder_name(torch.cuda.get_device_name())
+        print(f"fla configs: {len(write_configs(folder))} kernels written to {folder}")
     if args.startup_only:
         return {"startup_seconds": round(startup, 1), "startup": llm.engine.startup.summary()}
     sampling = [SamplingParams(temperature=t, max_tokens=m, ignore_eos=True,
@@ -189,9 +191,9 @@ def main() -> int:
                              "and prompt length on the same engine")
     parser.add_argument("--startup-only", action="store_true",
                         help="qllm: time the start-up (to the first tokens) and stop")
-    parser.add_argument("--dump-tuned-configs", metavar="FILE",
-                        help="qllm: after the start-up, write the configs Triton's autotuners "
-                             "picked (per kernel and tuning key) to FILE as JSON")
+    parser.add_argument("--dump-fla-configs", metavar="ROOT",
+                        help="qllm: after the start-up, write the configs fla's autotuned "
+                             "kernels picked to ROOT/<GPU name>/ (kernels_gdn's layout)")
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--profile-out", default=os.environ.get("OUT", "profile-out"))
     args = parser.parse_args()

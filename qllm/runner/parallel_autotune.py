@@ -68,26 +68,32 @@ def parallel_autotune(workers: int | None = None, enabled: bool = True):
         pool.shutdown(wait=True)
 
 
-def tuned_configs(autotuners=None) -> dict[str, list[dict]]:
-    """The configs Triton autotuners picked (``autotuners``; default: every one alive in this
-    process): per kernel name, one entry per tuning key, ``{key, kwargs, num_warps,
-    num_stages}`` (keys as Triton builds them: the values of the autotuner's ``key``
-    arguments, then the tensor arguments' dtypes). What a table of pinned configs needs, read
-    after a start-up on the GPU it is for."""
+def live_autotuners(kind: type | None = None) -> list:
+    """Every Triton autotuner alive in this process, or every one of class ``kind`` (a
+    subclass of Triton's ``Autotuner``, e.g. fla's)."""
     import gc
 
     from triton.runtime.autotuner import Autotuner
 
-    if autotuners is None:  # type(), not isinstance(): the latter asks a weak proxy for its
-        # referent's class, which raises once the referent is gone
-        autotuners = [obj for obj in gc.get_objects() if issubclass(type(obj), Autotuner)]
+    kind = kind or Autotuner  # type(), not isinstance(): the latter asks a weak proxy for its
+    # referent's class, which raises once the referent is gone
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), kind)]
+
+
+def tuned_configs(autotuners=None) -> dict[str, list[dict]]:
+    """The configs Triton autotuners picked (``autotuners``; default: every one alive in this
+    process): per kernel name, one entry per tuning key, ``{key, kwargs, num_warps,
+    num_stages, num_ctas, maxnreg}`` (keys as Triton builds them: the values of the
+    autotuner's ``key`` arguments, then the tensor arguments' dtypes). What a table of pinned
+    configs needs, read after a start-up on the GPU it is for."""
     found: dict[str, list[dict]] = {}
-    for autotuner in autotuners:
+    for autotuner in live_autotuners() if autotuners is None else autotuners:
         for key, config in autotuner.cache.items():
             found.setdefault(autotuner.base_fn.__name__, []).append({
                 "key": [value if isinstance(value, (int, float, str, bool)) else str(value)
                         for value in key],
                 "kwargs": dict(config.kwargs), "num_warps": config.num_warps,
-                "num_stages": config.num_stages})
+                "num_stages": config.num_stages, "num_ctas": config.num_ctas,
+                "maxnreg": getattr(config, "maxnreg", None)})
     return {name: sorted(entries, key=lambda entry: str(entry["key"]))
             for name, entries in sorted(found.items())}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from qllm.ops.gdn import gdn_gates
+from qllm_kernels_gdn.fla_configs import use_shipped_configs
 from qllm_kernels_gdn.triton_l2norm import l2norm_heads
 
 CHUNK_SIZE = 64  # tokens per chunk of fla's gated delta rule (its default)
@@ -42,7 +43,9 @@ def chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Te
     ``A_log, dt_bias [Hv]`` (the gates computed by ``qllm.ops.gdn.gdn_gates``; fla takes them
     ready), sequences split at ``cu_seqlens [B + 1]`` (their lengths ``query_lens`` on the
     host); ``ssm_state [S + 1, Hv, dk, dv]`` read and written at ``slots [B]``. Returns
-    ``o [T, Hv, dv]`` in ``v.dtype``."""
+    ``o [T, Hv, dv]`` in ``v.dtype``. fla's autotuned kernels take the configs this plugin
+    ships for the GPU where it has them (``fla_configs``)."""
+    use_shipped_configs(torch.cuda.get_device_name(q.device))  # before fla is imported
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     if torch.cuda.is_current_stream_capturing():
