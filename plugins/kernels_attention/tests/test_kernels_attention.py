@@ -116,7 +116,8 @@ def check_prefill(case: dict, device: str, dtype: torch.dtype) -> None:
 
 
 def opcheck_ops(device: str, dtype: torch.dtype) -> None:
-    """``torch.library.opcheck`` on both custom ops (schema, fake tensor, AOT dispatch)."""
+    """``torch.library.opcheck`` on every custom op (schema, fake tensor, AOT dispatch; for
+    ``kv_store``, that it mutates the caches alone)."""
     x = paged_inputs(**TINY_PREFILL["ragged-gqa2-d16-p8"], dtype=dtype, device=device)
     b = x.batch
     torch.library.opcheck(ops.paged_prefill, (
@@ -126,10 +127,10 @@ def opcheck_ops(device: str, dtype: torch.dtype) -> None:
     torch.library.opcheck(ops.paged_decode, (
         x.q, x.k_cache, x.v_cache, x.batch.seq_lens, x.batch.caches["paged_kv"].block_tables,
         x.scale))
-
-
     torch.library.opcheck(ops.qk_norm_rope_heads, qk_inputs(**TINY_QK["partial-zc"], tokens=3,
                                                              dtype=dtype, device=device))
+    torch.library.opcheck(ops.kv_store, kv_store_inputs(TINY_KV_STORE["decode-gqa2-d16-p4"],
+                                                        dtype, device))
 
 
 # name -> q heads, k heads, head dim, rotary dims, zero-centred norm weights
