@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from qllm_kernels_linear.configs import next_power_of_2
+from qllm_kernels_moe.triton_moe import grouped_tile
 
 from qllm_kernels_int8.quant import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
@@ -42,12 +43,7 @@ def _gemm_8bit_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
     ``w_scale [ceil(N/bn), ceil(K/GROUP_K)]``, ``BLOCK_K`` dividing ``GROUP_K``. Else ``a`` in
     the output dtype, ``w`` int8 with ``w_scale [N]``."""
     pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = pid // per_group * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + pid % per_group % group_rows
-    pid_n = pid % per_group // group_rows
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from qllm_kernels_moe.configs import CONFIG_DIR, GemmConfig, MoeConfig, config_path, get_config
 from qllm_kernels_moe.triton_align import moe_align_triton
+from qllm_kernels_moe.triton_moe import grouped_tile
 
 from qllm_kernels_int8.gemv_configs import slot_moe_config
 from qllm_kernels_int8.triton_linear import fp8_group_quant
@@ -57,12 +58,7 @@ def _expert_gemm_8bit_kernel(
     K / GROUP_K]``. Expert ``num_experts`` reads ``shared_w`` / ``shared_scale``."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
-    num_m = tl.num_programs(0) // num_n
-    programs_per_group = GROUP_M * num_n
-    first_m = pid // programs_per_group * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + pid % programs_per_group % group_rows
-    pid_n = pid % programs_per_group // group_rows
+    pid_m, pid_n = grouped_tile(pid, tl.num_programs(0) // num_n, num_n, GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
 

@@ -34,6 +34,18 @@ from qllm_kernels_moe.triton_slot_moe import slot_down, slot_gate_up
 
 
 @triton.jit
+def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """The ``(row block, column block)`` of program ``pid`` in a grid of ``num_m x num_n``
+    tiles, in grouped order: ``GROUP_M`` consecutive row blocks sweep the columns together, so
+    that row blocks sharing a weight tile (those of one expert, or all rows of a GEMM) read it
+    while it is in L2."""
+    per_group = GROUP_M * num_n
+    first_m = pid // per_group * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + pid % per_group % group_rows, pid % per_group // group_rows
+
+
+@triton.jit
 def _pointer_tiles(a_ptrs, a_mask, w_ptrs, N, K, stride_w_row, col_mask, GATED: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``_expert_gemm_kernel``'s accumulators ``[BM, BN]`` (gate or only, then up) over
@@ -72,14 +84,7 @@ def _expert_gemm_kernel(
     scaled by ``routing_weights[s]``. Rows of ``a``, ``w``, ``out`` have unit stride."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
-    num_m = tl.num_programs(0) // num_n
-    # Grouped order: GROUP_M consecutive row blocks sweep the columns together, so blocks of
-    # the same expert reuse a weight tile from L2.
-    programs_per_group = GROUP_M * num_n
-    first_m = pid // programs_per_group * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + pid % programs_per_group % group_rows
-    pid_n = pid % programs_per_group // group_rows
+    pid_m, pid_n = grouped_tile(pid, tl.num_programs(0) // num_n, num_n, GROUP_M)
     if pid_m >= tl.load(num_blocks_ptr):
         return
 
