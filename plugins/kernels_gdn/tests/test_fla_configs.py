@@ -6,6 +6,8 @@ kernel's launches are recorded instead of run, its timings come from a stub."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -108,8 +110,6 @@ def shipped(tmp_path, monkeypatch):
 
 
 def test_fla_is_pointed_at_the_folder_shipped_for_the_gpu(shipped):
-    import os
-
     assert fla_configs.gpu_folder_name("Test GPU 1") == "Test_GPU_1"
     assert fla_configs.use_shipped_configs("NVIDIA H100 80GB HBM3") is None  # none shipped
     assert "FLA_CACHE_MODE" not in os.environ
@@ -121,8 +121,6 @@ def test_fla_is_pointed_at_the_folder_shipped_for_the_gpu(shipped):
 @pytest.mark.parametrize("setting", [{"QLLM_FLA_CONFIGS": "0"}, {"FLA_CACHE_MODE": "fuzzy"},
                                      {"FLA_CONFIG_DIR": "/elsewhere"}])
 def test_the_switch_and_the_users_own_fla_settings_stand(shipped, monkeypatch, setting):
-    import os
-
     for name, value in setting.items():
         monkeypatch.setenv(name, value)
     assert fla_configs.use_shipped_configs("Test GPU 1") is None
@@ -131,9 +129,26 @@ def test_the_switch_and_the_users_own_fla_settings_stand(shipped, monkeypatch, s
 
 
 def test_fla_imported_first_is_left_alone_with_a_warning(shipped, monkeypatch, caplog):
-    import os
-
     monkeypatch.setitem(sys.modules, fla_configs.FLA_CACHE_MODULE, fla_cache)
     assert fla_configs.use_shipped_configs("Test GPU 1") is None
     assert "FLA_CACHE_MODE" not in os.environ
     assert "imported before" in caplog.text
+
+
+def test_fla_imported_afterwards_reads_the_shipped_folder(tmp_path):
+    """The contract with fla itself, in a fresh interpreter: the variables set before its
+    import put it in strict mode on the shipped folder."""
+    (tmp_path / "Test_GPU_1").mkdir()
+    script = (
+        "import pathlib\n"
+        "from qllm_kernels_gdn import fla_configs\n"
+        f"fla_configs.CONFIG_ROOT = pathlib.Path({str(tmp_path)!r})\n"
+        "assert fla_configs.use_shipped_configs('Test GPU 1') is not None\n"
+        "from fla.ops.utils import cache\n"
+        "print(cache.FLA_CACHE_MODE.value, cache.get_fla_config_dir())\n")
+    env = {name: value for name, value in os.environ.items()
+           if name not in fla_configs.FLA_ENV + (fla_configs.SWITCH_ENV,)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["strict", str(tmp_path / "Test_GPU_1")]
