@@ -119,3 +119,22 @@ def test_tuned_configs_lists_each_key_a_kernel_was_tuned_for():
     # a weak proxy whose referent is gone (isinstance() on it raises ReferenceError)
     gone = weakref.proxy(type("Gone", (), {})())  # noqa: F841 (kept alive for the scan)
     assert all(entry in tuned_configs()["kernel"] for entry in entries)
+
+
+@pytest.mark.parametrize("compile_ahead", ["1", "0"])
+def test_each_tuning_run_is_logged_compiled_ahead_or_not(monkeypatch, compile_ahead):
+    from qllm.runner.autotune_log import AutotuneLog
+
+    monkeypatch.setenv("QLLM_PARALLEL_AUTOTUNE", compile_ahead)
+    log = AutotuneLog()
+    events = []
+    kernel = _autotuned(events)
+    with parallel_autotune(workers=1, log=log):
+        kernel[(1,)](None, 64)
+        kernel[(1,)](None, 64)  # tuned: not a tuning run
+        kernel[(1,)](None, 128)
+    summary = log.summary()
+    assert (summary["keys"], summary["kernels"]) == (2, 1) and summary["seconds"] >= 0
+    assert summary["top"][0]["name"] == "kernel"
+    compiled_ahead = [kind for kind, _, in_mode in events if kind == "compile" and in_mode]
+    assert len(compiled_ahead) == (4 if compile_ahead == "1" else 0)

@@ -70,8 +70,9 @@ class LLMEngine:
                              f"max_position_embeddings={max_positions}")
         self.config = config
         # on CUDA, an autotuned kernel's configs compile in parallel at start-up (cold caches);
-        # Triton's compiles are counted for the start-up line until then (or a failure)
-        with parallel_autotune(enabled=self.device.type == "cuda"), \
+        # Triton's compiles and the tuning runs are counted for the start-up line until then
+        # (or a failure)
+        with parallel_autotune(enabled=self.device.type == "cuda", log=self.startup.autotunes), \
                 self.startup.triton_compiles:
             self._build(config, hf_config)
         logger.info(self.startup.ready())

@@ -7,6 +7,7 @@ import contextlib
 import time
 
 from qllm.runner import compile_cache
+from qllm.runner.autotune_log import AutotuneLog
 from qllm.runner.compile_cache import CompileCache
 from qllm.runner.triton_compiles import TritonCompileLog
 
@@ -33,7 +34,9 @@ class StartupReport:
     time within it, which is reported as ``compile`` instead. The cache's lookups are counted
     from construction to each ``summary``: on CPU, where nothing is compiled until the first
     request, ask after it. Triton's own compiles (``TritonCompileLog``: the plugins' kernels
-    and the libraries' they launch) are counted within ``with report.triton_compiles:``."""
+    and the libraries' they launch) are counted within ``with report.triton_compiles:``, and
+    the tuning runs of autotuned kernels where ``autotunes`` is given to
+    ``qllm.runner.parallel_autotune``."""
 
     def __init__(self, cache: CompileCache):
         self.cache = cache
@@ -44,6 +47,7 @@ class StartupReport:
         self._lookups_before = compile_cache.lookups()
         self._triton_entries_before = cache.triton_entries()
         self.triton_compiles = TritonCompileLog()
+        self.autotunes = AutotuneLog()
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -74,7 +78,8 @@ class StartupReport:
         """Start-up seconds (to ``ready``) and per phase, the torch.compile seconds since
         construction (None where torch does not time them), and the compile cache: its
         folder, state, torch's lookups and the Triton cache entries added since
-        construction, and Triton's compiles counted (``TritonCompileLog.summary``)."""
+        construction, Triton's compiles counted (``TritonCompileLog.summary``) and the
+        autotuned kernels' tuning runs (``AutotuneLog.summary``)."""
         compiled = compile_seconds_so_far()
         lookups = compile_cache.lookups_since(self._lookups_before)
         entries = self.cache.triton_entries()
@@ -91,6 +96,7 @@ class StartupReport:
                 else entries - self._triton_entries_before,
             },
             "triton_jit": self.triton_compiles.summary(),
+            "autotune": self.autotunes.summary(),
         }
 
     def line(self) -> str:
@@ -103,6 +109,8 @@ class StartupReport:
                                    else f"{compiled:.1f} s"))
         if summary["triton_jit"]["compiled"] or summary["triton_jit"]["cached"]:
             parts.append(self.triton_compiles.line())
+        if summary["autotune"]["keys"]:
+            parts.append(self.autotunes.line())
         cache = summary["compile_cache"]
         lookups = "; ".join(f"{name.replace('_', ' ')} {counts['hits']} hits, "
                             f"{counts['misses']} misses"

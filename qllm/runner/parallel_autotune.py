@@ -9,14 +9,18 @@ its kernel). ``parallel_autotune`` wraps ``Autotuner.run`` for its duration: on 
 autotuner has not seen, ``Autotuner.warmup`` (compile, no launch) of every pruned config runs
 under that mode first. A config that fails to compile is left for the benchmark, which times it
 as infinitely slow as it always did. With Triton's disk cache warm, the compiles are cache loads.
+Given an ``AutotuneLog``, the wrapper also records each tuning run there (its kernel and
+seconds), with the parallel compiles on or off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+from qllm.runner.autotune_log import AutotuneLog
 from qllm.switches import env_switch
 
 SWITCH_ENV = "QLLM_PARALLEL_AUTOTUNE"  # "0" turns it off (to measure against); qllm.switches
@@ -36,36 +40,50 @@ def _untuned(autotuner, args: tuple, kwargs: dict) -> bool:
 
 
 @contextlib.contextmanager
-def parallel_autotune(workers: int | None = None, enabled: bool = True):
+def parallel_autotune(workers: int | None = None, enabled: bool = True,
+                      log: AutotuneLog | None = None):
     """Within the block, an autotuned Triton kernel's first run with a new tuning key compiles
-    all its configs in ``workers`` threads (default: the CPU count) before benchmarking them.
-    Does nothing unless ``enabled``, with ``QLLM_PARALLEL_AUTOTUNE=0``, where Triton lacks
-    ``AsyncCompileMode`` (before 3.4), or where an async compile is already active."""
-    if not enabled or not env_switch(SWITCH_ENV):
-        yield
-        return
+    all its configs in ``workers`` threads (default: the CPU count) before benchmarking them,
+    and, with ``log``, is recorded there. The compiles stay one by one unless ``enabled``, with
+    ``QLLM_PARALLEL_AUTOTUNE=0``, where Triton lacks ``AsyncCompileMode`` (before 3.4), or
+    where an async compile is already active."""
+    compile_ahead = enabled and env_switch(SWITCH_ENV)
     try:
-        from triton.runtime import _async_compile
         from triton.runtime.autotuner import Autotuner
     except ImportError:
+        compile_ahead, log = False, None
+    try:
+        from triton.runtime import _async_compile
+    except ImportError:
+        compile_ahead = False
+    if not compile_ahead and log is None:
         yield
         return
     original_run = Autotuner.run
-    pool = ThreadPoolExecutor(workers or os.cpu_count() or 1, thread_name_prefix="qllm-autotune")
+    pool = (ThreadPoolExecutor(workers or os.cpu_count() or 1,
+                               thread_name_prefix="qllm-autotune") if compile_ahead else None)
 
     def run(self, *args, **kwargs):
-        if _async_compile.active_mode.get() is None and _untuned(self, args, kwargs):
+        if not _untuned(self, args, kwargs):
+            return original_run(self, *args, **kwargs)
+        start = time.perf_counter()
+        if compile_ahead and _async_compile.active_mode.get() is None:
             compile_only = {name: value for name, value in kwargs.items() if name != "warmup"}
             with _async_compile.AsyncCompileMode(pool, ignore_errors=True):
                 self.warmup(*args, **compile_only)
-        return original_run(self, *args, **kwargs)
+        try:
+            return original_run(self, *args, **kwargs)
+        finally:
+            if log is not None:
+                log.record(self.base_fn.__name__, time.perf_counter() - start)
 
     Autotuner.run = run
     try:
         yield
     finally:
         Autotuner.run = original_run
-        pool.shutdown(wait=True)
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 def live_autotuners(kind: type | None = None) -> list:
