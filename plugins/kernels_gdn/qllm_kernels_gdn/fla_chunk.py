@@ -45,15 +45,15 @@ def chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Te
     host); ``ssm_state [S + 1, Hv, dk, dv]`` read and written at ``slots [B]``. Returns
     ``o [T, Hv, dv]`` in ``v.dtype``. fla's autotuned kernels take the configs this plugin
     ships for the GPU where it has them (``fla_configs``)."""
-    use_shipped_configs(torch.cuda.get_device_name(q.device))  # before fla is imported
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"fla's chunked prefill of {q.shape[0]} tokens cannot run in a CUDA graph: its "
             f"chunk index comes from the host's query lengths, which a replay would not "
             f"refresh; keep prefill_cudagraph_token_sizes at or below the steps that take "
             f"the recurrent kernel")
+    use_shipped_configs(torch.cuda.get_device_name(q.device))  # before fla is imported
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
     g, beta = gdn_gates(a, b, A_log, dt_bias)  # [T, Hv] fp32 each
     initial = torch.where(has_state[:, None, None, None], ssm_state[slots].float(), 0.0)
     # fla memoises index tensors derived from cu_seqlens by object identity: a fresh tensor per
