@@ -66,7 +66,7 @@
 #   fla's kernels autotuned, then the configs they picked into $OUT/fla_configs/<GPU name>/
 #   (copy it into plugins/kernels_gdn/qllm_kernels_gdn/fla_configs/ to ship it);
 #   startup-w2-fla-configs: W2's start-up on an emptied cache without, then with, the fla
-#   configs shipped for this GPU (QLLM_FLA_CONFIGS=0, 1);
+#   configs shipped for this GPU (QLLM_FLA_CONFIGS=0, 1; FLA_MODES=1 runs only the latter);
 #   w2-no-prefix-cache: W2 with the hybrid prefix cache off (0 state checkpoints; on by
 #   default, as in w2); prefix-cache:
 #   prefix_cache.py (64 requests sharing a 4,000-token prompt, cache off then on);
@@ -224,7 +224,7 @@ for stage in "$@"; do
                     benchmarks/throughput.py --workload w2 --max-num-seqs 200 \
                     --max-model-len 3072 --recurrent-state-dtype bfloat16 --startup-only
             done ;;
-        startup-w2-fla-configs) for mode in 0 1; do
+        startup-w2-fla-configs) for mode in ${FLA_MODES:-0 1}; do  # fla autotuned, shipped
                 QLLM_FLA_CONFIGS=$mode QLLM_CACHE_DIR=/tmp/qllm-startup-fla-$mode \
                     TAIL=2 run startup_w2_fla_configs_$mode 300 python3 \
                     benchmarks/throughput.py --workload w2 --max-num-seqs 200 \
