@@ -13,7 +13,9 @@
 #   kernels: kernel micro-benchmarks; bandwidth: the HBM read bandwidth reached by access
 #   pattern (bench_bandwidth.py: the rooflines' ceiling); bench-linear: the GEMV's
 #   launch-config sweep at the Qwen3.5-35B-A3B projection shapes (JSON lines, best config
-#   per shape and row count; bench-linear-1: at W3's one row only);
+#   per shape and row count; bench-linear-1: at W3's one row only); gemv-sweep-w3: the sweep
+#   at one row written to the GEMV's table for this GPU (kernels_linear's swept_gemv.json, also
+#   copied to $OUT), then W3 with the rule's configs and with the table's (QLLM_GEMV_SWEPT);
 #   bench-linear-200: those shapes at W2's 200 rows, cuBLAS against Inductor's max-autotune
 #   GEMM (whether a Triton GEMM can beat cuBLAS there);
 #   pdl: programmatic dependent launch (QLLM_PDL, qllm/plugins/pdl.py) of the decode path's
@@ -163,6 +165,15 @@ for stage in "$@"; do
                           plugins/kernels_linear/benchmarks/bench_linear.py --sweep ;;
         bench-linear-1) TAIL=${TAIL:-6} run bench_linear_sweep_1 480 python3 \
                             plugins/kernels_linear/benchmarks/bench_linear.py --sweep --rows 1 ;;
+        gemv-sweep-w3) TAIL=${TAIL:-6} run gemv_sweep_write 480 python3 \
+                           plugins/kernels_linear/benchmarks/bench_linear.py --sweep --rows 1 \
+                           --write-table
+                       cp plugins/kernels_linear/qllm_kernels_linear/swept_gemv.json "$out"/
+                       for swept in 0 1; do  # the rule's configs, then the sweep's
+                           QLLM_GEMV_SWEPT=$swept run w3_gemv_swept_$swept 200 python3 \
+                               benchmarks/throughput.py --workload w3 --max-num-seqs 1 \
+                               --max-model-len 1024 --recurrent-state-dtype bfloat16
+                       done ;;
         bench-linear-200) TAIL=${TAIL:-14} run bench_linear_200 300 python3 \
                               plugins/kernels_linear/benchmarks/bench_linear.py --rows 200 \
                               --inductor ;;

@@ -17,13 +17,15 @@ Triton GEMM beats cuBLAS, e.g. at W2's 200 rows: ``--rows 200 --inductor``.
 ``--sweep`` times every candidate of ``configs.candidates`` per (rows, shape) through the
 launcher, checks the fastest against ``F.linear``, and prints one JSON line per (rows, shape):
 the five fastest configs, the rule's (``configs.default_config``) and cuBLAS's times, to refine
-the rule. About 190 kernel variants compile on the first shapes; ``--rows`` / ``--shapes``
-split a sweep over several runs.
+the rule; with ``--write-table`` it also writes each fastest config to the table the GEMV
+takes on this GPU model (``qllm_kernels_linear.swept``). About 190 kernel variants compile on
+the first shapes; ``--rows`` / ``--shapes`` split a sweep over several runs.
 
     python plugins/kernels_linear/benchmarks/bench_linear.py \
         [--rows 1 2 4] [--shapes out_proj moe_input ...]
     python plugins/kernels_linear/benchmarks/bench_linear.py --rows 200 --inductor
-    python plugins/kernels_linear/benchmarks/bench_linear.py --sweep [--rows 1] [--shapes out_proj]
+    python plugins/kernels_linear/benchmarks/bench_linear.py --sweep [--rows 1] \
+        [--shapes out_proj] [--write-table]
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ import torch.nn.functional as F
 
 from qllm.testing.benchmarking import compile_ahead, print_table, time_ms
 from qllm_kernels_linear import ops
-from qllm_kernels_linear.configs import MAX_GEMV_ROWS, candidates, default_config
+from qllm_kernels_linear import swept
+from qllm_kernels_linear.configs import MAX_GEMV_ROWS, GemvConfig, candidates, default_config
 from qllm_kernels_linear.testing import QWEN3_5_35B_A3B_SHAPES, linear_inputs
 from qllm_kernels_linear.triton_gemv import gemv
 
@@ -123,15 +126,24 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(QWEN3_5_35B_A3B_SHAPES),
                         choices=list(QWEN3_5_35B_A3B_SHAPES))
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--write-table", action="store_true",
+                        help="with --sweep: write each shape's fastest config to the GEMV's "
+                             "table for this GPU (qllm_kernels_linear.swept)")
     parser.add_argument("--inductor", action="store_true",
                         help="also time torch.compile's max-autotune GEMM")
     args = parser.parse_args()
     if args.sweep and max(args.rows) > MAX_GEMV_ROWS:
         parser.error(f"--sweep times the GEMV, which serves up to {MAX_GEMV_ROWS} rows")
+    if args.write_table and not args.sweep:
+        parser.error("--write-table writes what --sweep finds")
     if args.sweep:
         for rows in args.rows:
             for name in args.shapes:
-                print(json.dumps(sweep(name, rows)), flush=True)
+                found = sweep(name, rows)
+                print(json.dumps(found), flush=True)
+                if args.write_table:
+                    swept.record(torch.cuda.get_device_name(), rows, found["n"], found["k"],
+                                 GemvConfig(**found["best"]), found["us"], found["rule_us"])
         return
     print_table([row for rows in args.rows for name in args.shapes
                  for row in measure(name, rows, args.inductor)], COLUMNS)

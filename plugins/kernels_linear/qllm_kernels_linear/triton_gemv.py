@@ -37,6 +37,8 @@ calls at once must synchronize first, as ``testing.linear_inputs`` does).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -44,6 +46,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from qllm.plugins.pdl import launch_options, use_pdl
 from qllm_kernels_linear.configs import MAX_GEMV_ROWS, GemvConfig, block_m, default_config
+from qllm_kernels_linear.swept import swept_config
 
 # N only bounds the rows, so a new N (divisible by 16 or not) needs no new compile.
 @triton.jit(do_not_specialize=["N"])
@@ -86,6 +89,18 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
              mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
+def gpu_name(device: torch.device) -> str | None:
+    """``torch.cuda.get_device_name`` of a CUDA ``device``; None for any other device."""
+    if device.type != "cuda":
+        return None
+    return _gpu_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _gpu_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 out: torch.Tensor, config: GemvConfig, pdl: bool) -> tuple[tuple, dict, dict]:
     """The kernel's launch for ``out [M, N] = x [M, K] @ weight [N, K]^T (+ bias)``: its grid,
@@ -106,7 +121,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          config: GemvConfig | None = None, pdl: bool | None = None) -> torch.Tensor:
     """``x [M, K]`` (any strides) @ ``weight [N, K]^T`` (rows contiguous: ``stride(1) == 1``)
     plus ``bias [N]`` -> ``out [M, N]`` in ``x.dtype``, for ``1 <= M <= MAX_GEMV_ROWS``;
-    ``config`` overrides ``configs.default_config``. Inputs share one float dtype. ``pdl``
+    ``config`` overrides the sweep's config for this GPU and shape (``swept``), else the rule
+    (``configs.default_config``). Inputs share one float dtype. ``pdl``
     (default: the ``QLLM_PDL`` switch, ``qllm.plugins.pdl.PDL``) launches with programmatic
     dependent launch where ``pdl_available`` (elsewhere, e.g. on the CPU under the interpreter,
     it is off); the weight must then not be written by work still in flight on the stream
@@ -121,7 +137,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv needs contiguous weight rows, got strides {weight.stride()}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"gemv: bias of shape {tuple(bias.shape)} for {n} output features")
-    config = config or default_config(m, n, k)
+    config = config or swept_config(m, n, k, gpu_name(x.device)) or default_config(m, n, k)
     pdl = use_pdl(x.device, m, pdl)
     out = x.new_empty(m, n)
     grid, args, options = gemv_launch(x, weight, bias, out, config, pdl)

@@ -26,6 +26,7 @@ rows, ``opcheck``).
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -355,6 +356,43 @@ def test_launch_config_rule():
     assert default_config(1, 3, 40) == GemvConfig(1, 64, 1, 1)  # tiny shapes still launch
     for config in candidates(2, 2048, 4096):
         assert config.BLOCK_K % (WARP_COLUMNS * config.num_warps) == 0
+
+
+def test_swept_table_is_read_per_gpu_and_shape(tmp_path, monkeypatch):
+    from qllm_kernels_linear import swept
+
+    path = tmp_path / "swept_gemv.json"
+    monkeypatch.setattr(swept, "TABLE_PATH", path)
+    swept.load.cache_clear()
+    fastest = GemvConfig(4, 256, 1, 1)
+    swept.record("GPU A", 1, 12352, 2048, fastest, 14.05, 17.09)
+    swept.record("GPU A", 1, 2048, 4096, GemvConfig(1, 2048, 4, 1), 8.38, None)
+    swept.record("GPU A", 1, 12352, 2048, fastest, 13.9, 17.0)  # replaces, keeps others
+    document = json.loads(path.read_text())
+    assert list(document["devices"]["GPU A"]) == ["1,12352,2048", "1,2048,4096"]
+    assert document["devices"]["GPU A"]["1,12352,2048"]["us"] == 13.9
+    assert swept.swept_config(1, 12352, 2048, "GPU A") == fastest
+    assert swept.swept_config(2, 12352, 2048, "GPU A") is None  # another row count
+    assert swept.swept_config(1, 12352, 2048, "GPU B") is None  # another GPU
+    assert swept.swept_config(1, 12352, 2048, None) is None  # not a GPU
+    monkeypatch.setattr(swept, "SWEPT", False)  # QLLM_GEMV_SWEPT=0
+    assert swept.swept_config(1, 12352, 2048, "GPU A") is None
+    swept.load.cache_clear()
+
+
+def test_shipped_swept_table_holds_candidates_of_its_shapes():
+    """Each entry of the table the plugin ships is a config the sweep's grid has for its
+    shape (the launch's layout rules hold) and was faster than the rule when it was timed."""
+    from qllm_kernels_linear import swept
+
+    if not swept.TABLE_PATH.is_file():
+        pytest.skip("no sweep table shipped yet")
+    for device, entries in json.loads(swept.TABLE_PATH.read_text())["devices"].items():
+        for key, entry in entries.items():
+            m, n, k = (int(value) for value in key.split(","))
+            config = swept.load(device)[key]
+            assert config in candidates(m, n, k), (device, key)
+            assert entry["rule_us"] is None or entry["us"] <= entry["rule_us"], (device, key)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
