@@ -15,7 +15,8 @@
 #   launch-config sweep at the Qwen3.5-35B-A3B projection shapes (JSON lines, best config
 #   per shape and row count; bench-linear-1: at W3's one row only); gemv-sweep-w3: the sweep
 #   at one row written to the GEMV's table for this GPU (kernels_linear's swept_gemv.json, also
-#   copied to $OUT), then W3 with the rule's configs and with the table's (QLLM_GEMV_SWEPT);
+#   copied to $OUT), then W3 with the rule's configs and with the table's (QLLM_GEMV_SWEPT),
+#   each with its decode-step profile ($OUT/w3-gemv-swept-0, -1);
 #   bench-linear-200: those shapes at W2's 200 rows, cuBLAS against Inductor's max-autotune
 #   GEMM (whether a Triton GEMM can beat cuBLAS there);
 #   pdl: programmatic dependent launch (QLLM_PDL, qllm/plugins/pdl.py) of the decode path's
@@ -170,9 +171,11 @@ for stage in "$@"; do
                            --write-table
                        cp plugins/kernels_linear/qllm_kernels_linear/swept_gemv.json "$out"/
                        for swept in 0 1; do  # the rule's configs, then the sweep's
+                           mkdir -p "$out/w3-gemv-swept-$swept"
                            QLLM_GEMV_SWEPT=$swept run w3_gemv_swept_$swept 200 python3 \
                                benchmarks/throughput.py --workload w3 --max-num-seqs 1 \
-                               --max-model-len 1024 --recurrent-state-dtype bfloat16
+                               --max-model-len 1024 --recurrent-state-dtype bfloat16 \
+                               --profile-decode 1 512 --profile-out "$out/w3-gemv-swept-$swept"
                        done ;;
         bench-linear-200) TAIL=${TAIL:-14} run bench_linear_200 300 python3 \
                               plugins/kernels_linear/benchmarks/bench_linear.py --rows 200 \
