@@ -20,6 +20,7 @@ from qllm.model.causal_lm import CausalLM
 from qllm.model.multimodal import encoder_rows, rotary_positions
 from qllm.runner.cuda_graphs import CudaGraphCapture, GraphShape, HostSyncError, StepGraphs
 from qllm.runner.staging import stage
+from qllm.runner.triton_precompile import compile_ahead_enabled, compile_launches
 
 logger = logging.getLogger(__name__)
 
@@ -472,6 +473,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             capture = CudaGraphCapture(self.device)
             with torch.inference_mode():
+                if compile_ahead_enabled():
+                    self.compile_graph_kernels()
                 self.graphs = self.capture_graphs(False, self.decode_graph_sizes(), capture)
                 try:
                     self.prefill_graphs = self.capture_graphs(
@@ -507,8 +510,24 @@ class ModelRunner:
         shape (``GraphShape``)."""
         if not sizes:
             return None
+        step, make_inputs = self._graph_step(is_prefill)
+        return StepGraphs(step, make_inputs, sizes, capture, "prefill" if is_prefill else "decode")
+
+    def compile_graph_kernels(self) -> None:
+        """Run every decode and prefill graph bucket's step once on its inert inputs with the
+        Triton kernels' launches compiling them, all in threads, rather than running them
+        (``qllm.runner.triton_precompile``): the capture that follows finds them compiled."""
+        with compile_launches():
+            for is_prefill, sizes in ((False, self.decode_graph_sizes()),
+                                      (True, self.prefill_graph_sizes())):
+                step, make_inputs = self._graph_step(is_prefill)
+                for size in sizes:
+                    step(*make_inputs(size))
+
+    def _graph_step(self, is_prefill: bool):
+        """``(step, make_inputs)`` of one phase's graphs: the step, and the inert inputs of a
+        bucket's fixed shape (``GraphShape``) staged as a graph's."""
         dummy = ScheduledBatch([], [], is_prefill=is_prefill)
         step = self._forward_logits if is_prefill else self.decode_logits
-        return StepGraphs(
-            step, lambda size: self.prepare(dummy, GraphShape(is_prefill, size), fixed_layout=True),
-            sizes, capture, "prefill" if is_prefill else "decode")
+        return step, lambda size: self.prepare(dummy, GraphShape(is_prefill, size),
+                                               fixed_layout=True)

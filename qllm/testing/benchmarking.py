@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from qllm.runner.triton_precompile import compile_launches
 
 # (row key, column title, width, number format); a format of None is a left-aligned text column
 Column = tuple[str, str, int, str | None]
@@ -38,34 +38,15 @@ def compile_ahead(calls: Iterable[Callable[[], object]], workers: int | None = N
     """Compile the Triton kernels that ``calls`` would launch, in ``workers`` threads (default:
     the CPU count), launching nothing; returns once all are compiled (a sweep's candidates:
     Triton's compiler runs outside the GIL, so 100 configs on 16 cores take about 7 configs'
-    time). Each call runs with every Triton launch turned into a compile (Triton's
-    ``AsyncCompileMode`` with ``JITFunction.run``'s ``warmup``; an autotuned kernel compiles
-    all its configs and tunes none), so its other work runs on unwritten outputs: only for
-    calls whose launches do not depend on values computed by earlier launches. A call that
-    raises, or a config that fails to compile, is left to fail again when timed."""
-    from triton.runtime import _async_compile
-    from triton.runtime.autotuner import Autotuner
-    from triton.runtime.jit import JITFunction
-
-    jit_run, autotuner_run = JITFunction.run, Autotuner.run
-
-    def compile_run(self, *args, grid, warmup, **kwargs):
-        return jit_run(self, *args, grid=grid, warmup=True, **kwargs)
-
-    def compile_configs(self, *args, **kwargs):
-        kwargs.pop("warmup", None)
-        return self.warmup(*args, **kwargs)
-
-    with ThreadPoolExecutor(workers or os.cpu_count() or 1,
-                            thread_name_prefix="qllm-compile-ahead") as pool, \
-            _async_compile.AsyncCompileMode(pool, ignore_errors=True):
-        JITFunction.run, Autotuner.run = compile_run, compile_configs
-        try:
-            for call in calls:
-                with contextlib.suppress(Exception):
-                    call()
-        finally:
-            JITFunction.run, Autotuner.run = jit_run, autotuner_run
+    time). Each call runs with every Triton launch turned into a compile
+    (``qllm.runner.triton_precompile.compile_launches``: an autotuned kernel compiles all its
+    configs and tunes none), so its other work runs on unwritten outputs: only for calls
+    whose launches do not depend on values computed by earlier launches. A call that raises,
+    or a config that fails to compile, is left to fail again when timed."""
+    with compile_launches(workers):
+        for call in calls:
+            with contextlib.suppress(Exception):
+                call()
 
 
 def print_table(rows: list[dict], columns: list[Column]) -> None:

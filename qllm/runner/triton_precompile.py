@@ -1,0 +1,71 @@
+"""Compile the Triton kernels that some steps will launch all at once, in threads, by running
+the steps first with every Triton launch turned into a compile.
+
+On a cold start each specialization of the kernel plugins' kernels (their constants and tile
+configs, PDL on or off, integer arguments equal to 1 or divisible by 16) compiles at its first
+launch, one after another in the launching thread. Capturing W2's decode graphs (28 batch
+sizes) meets 41 of them before PDL doubles the small sizes' (counted on the CPU with
+``qllm.testing.sm90.captured_launches`` on ``meta`` tensors, 2026-12-05). Within
+``compile_launches``, ``JITFunction.run`` takes its compile-only form (``warmup=True``) under
+Triton's ``AsyncCompileMode``: the first launch of a kernel variant submits its compile to a
+thread pool and returns at once, and no kernel runs. An autotuned kernel compiles all its
+configs and tunes none (its benchmark would time launches that do not happen): it tunes at its
+first real run. When the block ends every submitted compile has finished; one that failed is
+left for the real launch to report. (``qllm.testing.benchmarking.compile_ahead`` compiles a
+sweep's candidates the same way.)
+
+The block's Triton kernels compute nothing, so their outputs hold whatever their memory held.
+Only steps whose results are thrown away may run in it, and only where the other ops take any
+values from those outputs: the decode and prefill graph steps, whose Triton kernels' integer
+outputs (the MoE router's expert ids, the align's slot lists) are read by Triton kernels alone,
+so a torch op never indexes with them; host syncs are allowed but not needed there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+from qllm.switches import env_switch
+
+SWITCH_ENV = "QLLM_COMPILE_AHEAD"  # "1": capture compiles its Triton kernels ahead, in threads
+
+
+def compile_ahead_enabled() -> bool:
+    """Whether graph capture compiles its Triton kernels ahead (``QLLM_COMPILE_AHEAD=1``; off
+    by default until measured on a GPU)."""
+    return env_switch(SWITCH_ENV, default=False)
+
+
+@contextlib.contextmanager
+def compile_launches(workers: int | None = None):
+    """Within the block, each Triton launch compiles its kernel variant (if new) in one of
+    ``workers`` threads (default: the CPU count) instead of running it, and an autotuned
+    kernel compiles all its configs, tuning none; the block ends when every compile has.
+    Where Triton lacks ``AsyncCompileMode`` (before 3.4) the block runs its launches as
+    usual."""
+    try:
+        from triton.runtime import _async_compile
+        from triton.runtime.autotuner import Autotuner
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        yield
+        return
+    original_run, original_tune = JITFunction.run, Autotuner.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        return original_run(self, *args, grid=grid, warmup=True, **kwargs)
+
+    def compile_configs(self, *args, **kwargs):
+        kwargs.pop("warmup", None)
+        return self.warmup(*args, **kwargs)
+
+    pool = ThreadPoolExecutor(workers or os.cpu_count() or 1, thread_name_prefix="qllm-compile")
+    JITFunction.run, Autotuner.run = compile_only, compile_configs
+    try:
+        with _async_compile.AsyncCompileMode(pool, ignore_errors=True):
+            yield
+    finally:
+        JITFunction.run, Autotuner.run = original_run, original_tune
+        pool.shutdown(wait=True)
