@@ -64,6 +64,25 @@ def test_an_autotuned_kernel_compiles_its_configs_and_tunes_nothing(monkeypatch)
     assert Autotuner.run is original
 
 
+
+def test_a_tuned_or_pinned_key_compiles_its_config_alone(monkeypatch):
+    """A key whose config is known (tuned, or pinned as fla's shipped configs are) compiles
+    that config only, not every candidate."""
+    from qllm.runner.parallel_autotune import tuning_key
+    from qllm.runner.triton_precompile import compile_launches
+
+    events = _recording(monkeypatch)
+    configs = [triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})]
+    tuner = triton.autotune(configs, key=["value"],
+                            do_bench=lambda call, quantiles: [1.0] * 3)(_fill)
+    tuner.cache_results = False
+    tuner.cache[tuning_key(tuner, (None, 1.0), {})] = configs[1]
+    with compile_launches(workers=2):
+        tuner[(1,)](None, 1.0)  # pinned: BLOCK 32 alone
+        tuner[(1,)](None, 2.0)  # a key not tuned: both
+    assert events[0] == (32, True, True) and sorted(events[1:]) == [(16, True, True),
+                                                                   (32, True, True)]
+
 @cuda
 def test_configs_compile_ahead_then_launch_correctly():
     out = torch.zeros(64, device="cuda")

@@ -23,6 +23,7 @@ from qllm.plugins.registry import PluginRegistry, default_registry
 from qllm.runner import compile_cache
 from qllm.runner.model_runner import ModelRunner, SampledStep
 from qllm.runner.parallel_autotune import parallel_autotune
+from qllm.runner.triton_precompile import compile_ahead_enabled, compile_launches
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,9 @@ class LLMEngine:
         self._in_flight: SampledStep | None = None  # launched, tokens not yet appended
         if config.warm_up and self.device.type == "cuda":
             with self.startup.phase("warm_up"):
+                if compile_ahead_enabled() and self.executor is None:
+                    with compile_launches():  # the warm-up's Triton kernels compile at once,
+                        self.warm_up()        # none runs; then the warm-up itself
                 self.warm_up()
 
     def warm_up(self) -> None:

@@ -26,17 +26,20 @@ from qllm.switches import env_switch
 SWITCH_ENV = "QLLM_PARALLEL_AUTOTUNE"  # "0" turns it off (to measure against); qllm.switches
 
 
-def _untuned(autotuner, args: tuple, kwargs: dict) -> bool:
-    """Whether ``autotuner.run(*args, **kwargs)`` will benchmark: it has several configs and
-    has not tuned this key (the argument values named in ``autotuner.keys`` and the dtypes of
-    the tensor arguments, as Triton keys them)."""
-    if len(autotuner.configs) <= 1:
-        return False
+def tuning_key(autotuner, args: tuple, kwargs: dict) -> tuple:
+    """The key ``autotuner.run(*args, **kwargs)`` tunes under, as Triton builds it: the
+    argument values named in ``autotuner.keys``, then the dtypes of the tensor arguments."""
     named = {**dict(zip(autotuner.arg_names, args)), **kwargs}
     named = {name: value for name, value in named.items() if name in autotuner.arg_names}
     key = [named[name] for name in autotuner.keys if name in named]
     key += [str(value.dtype) for value in named.values() if hasattr(value, "dtype")]
-    return tuple(key) not in autotuner.cache
+    return tuple(key)
+
+
+def untuned(autotuner, args: tuple, kwargs: dict) -> bool:
+    """Whether ``autotuner.run(*args, **kwargs)`` will benchmark: it has several configs and
+    has not tuned this key (``tuning_key``)."""
+    return len(autotuner.configs) > 1 and tuning_key(autotuner, args, kwargs) not in autotuner.cache
 
 
 @contextlib.contextmanager
@@ -64,7 +67,7 @@ def parallel_autotune(workers: int | None = None, enabled: bool = True,
                                thread_name_prefix="qllm-autotune") if compile_ahead else None)
 
     def run(self, *args, **kwargs):
-        if not _untuned(self, args, kwargs):
+        if not untuned(self, args, kwargs):
             return original_run(self, *args, **kwargs)
         start = time.perf_counter()
         if compile_ahead and _async_compile.active_mode.get() is None:

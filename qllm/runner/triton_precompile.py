@@ -9,16 +9,21 @@ sizes) meets 41 of them before PDL doubles the small sizes' (counted on the CPU 
 ``compile_launches``, ``JITFunction.run`` takes its compile-only form (``warmup=True``) under
 Triton's ``AsyncCompileMode``: the first launch of a kernel variant submits its compile to a
 thread pool and returns at once, and no kernel runs. An autotuned kernel compiles all its
-configs and tunes none (its benchmark would time launches that do not happen): it tunes at its
-first real run. When the block ends every submitted compile has finished; one that failed is
+configs and tunes none (its benchmark would time launches that do not happen; it tunes at its
+first real run), or, for a key already tuned or pinned (fla's shipped configs), that key's
+config alone. When the block ends every submitted compile has finished; one that failed is
 left for the real launch to report. (``qllm.testing.benchmarking.compile_ahead`` compiles a
 sweep's candidates the same way.)
 
 The block's Triton kernels compute nothing, so their outputs hold whatever their memory held.
 Only steps whose results are thrown away may run in it, and only where the other ops take any
-values from those outputs: the decode and prefill graph steps, whose Triton kernels' integer
-outputs (the MoE router's expert ids, the align's slot lists) are read by Triton kernels alone,
-so a torch op never indexes with them; host syncs are allowed but not needed there.
+values from those outputs: the decode and prefill steps, whose Triton kernels' integer outputs
+(the MoE router's expert ids, the align's slot lists) are read by Triton kernels alone, so a
+torch op never indexes with them, and whose sampled tokens, argmaxes of unwritten logits, are
+valid ids whatever the logits hold. With ``QLLM_COMPILE_AHEAD=1`` (off by default until measured
+on a GPU) the engine runs two such passes: every graph bucket's step before the capture
+(``ModelRunner.compile_graph_kernels``), and its whole warm-up (dummy prompts served, eager
+prefill steps of every size) before the warm-up itself.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+from qllm.runner.parallel_autotune import tuning_key, untuned
 from qllm.switches import env_switch
 
 SWITCH_ENV = "QLLM_COMPILE_AHEAD"  # "1": capture compiles its Triton kernels ahead, in threads
@@ -42,7 +48,8 @@ def compile_ahead_enabled() -> bool:
 def compile_launches(workers: int | None = None):
     """Within the block, each Triton launch compiles its kernel variant (if new) in one of
     ``workers`` threads (default: the CPU count) instead of running it, and an autotuned
-    kernel compiles all its configs, tuning none; the block ends when every compile has.
+    kernel compiles all its configs (a known key's alone), tuning none; the block ends when
+    every compile has.
     Where Triton lacks ``AsyncCompileMode`` (before 3.4) the block runs its launches as
     usual."""
     try:
@@ -59,7 +66,12 @@ def compile_launches(workers: int | None = None):
 
     def compile_configs(self, *args, **kwargs):
         kwargs.pop("warmup", None)
-        return self.warmup(*args, **kwargs)
+        if untuned(self, args, kwargs):
+            return self.warmup(*args, **kwargs)
+        # a key tuned, or pinned (fla's shipped configs load into the cache first): its config
+        config = self.cache[tuning_key(self, args, kwargs)] if len(self.configs) > 1 \
+            else self.configs[0]
+        return self.fn.warmup(*args, **kwargs, **config.all_kwargs())
 
     pool = ThreadPoolExecutor(workers or os.cpu_count() or 1, thread_name_prefix="qllm-compile")
     JITFunction.run, Autotuner.run = compile_only, compile_configs

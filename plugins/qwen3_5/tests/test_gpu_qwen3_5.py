@@ -178,10 +178,14 @@ def test_prefill_with_a_host_sync_runs_without_graphs(tmp_path):
     assert_cache_free(compiled)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next"])
-def test_fp32_compiled_decode_equals_eager(kind, tmp_path):
+@pytest.mark.parametrize("kind, ahead", [("qwen3_5_moe", "0"), ("qwen3_next", "0"),
+                                         ("qwen3_5_moe", "1")],
+                         ids=["qwen3_5_moe", "qwen3_next", "qwen3_5_moe-compiled-ahead"])
+def test_fp32_compiled_decode_equals_eager(kind, ahead, tmp_path, monkeypatch):
     """The CUDA-graph machinery (slots as graph inputs, padding rows, buckets) on tiny hybrid
-    models in fp32: token for token."""
+    models in fp32: token for token; also with the graph buckets' and the warm-up's Triton
+    kernels compiled ahead (``QLLM_COMPILE_AHEAD=1``: their passes launch none)."""
+    monkeypatch.setenv("QLLM_COMPILE_AHEAD", ahead)
     qwen3_5_testing.save_checkpoint(kind, str(tmp_path), max_position_embeddings=2048)
     prompts = random_prompts([5 + 29 * i for i in range(16)], vocab_size=512)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
