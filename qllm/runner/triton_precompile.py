@@ -3,7 +3,7 @@ the steps first with every Triton launch turned into a compile.
 
 On a cold start each specialization of the kernel plugins' kernels (their constants and tile
 configs, PDL on or off, integer arguments equal to 1 or divisible by 16) compiles at its first
-launch, one after another in the launching thread. Capturing W2's decode graphs (29 batch
+launch, one after another in the launching thread. Capturing W2's decode graphs (28 batch
 sizes) meets 48 of them, 10.4 s of compiling for sm_90 on a 2-core CPU, W3's 13
 (``benchmarks/graph_specializations.py``, 2026-12-05), before the prefill buckets'. Within
 ``compile_launches``, ``JITFunction.run`` takes its compile-only form (``warmup=True``) under
