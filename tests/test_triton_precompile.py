@@ -5,6 +5,8 @@ through ``compile_ahead`` (tests/test_compile_ahead.py), which shares it."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -12,14 +14,29 @@ from qllm.runner.triton_precompile import SWITCH_ENV, compile_ahead_enabled
 from qllm.testing.kernels import cuda
 
 
-def test_off_unless_switched_on(monkeypatch):
+PLUGIN_KERNELS = {"fused_moe": "triton", "moe_router": "triton", "linear": "triton"}
+
+
+def test_off_unless_switched_on_and_every_op_on_a_plugin_kernel(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="qllm.runner.triton_precompile")
     monkeypatch.delenv(SWITCH_ENV, raising=False)
-    assert not compile_ahead_enabled()
+    assert not compile_ahead_enabled(PLUGIN_KERNELS)
     monkeypatch.setenv(SWITCH_ENV, "1")
-    assert compile_ahead_enabled()
+    assert compile_ahead_enabled(PLUGIN_KERNELS)
+    # the fused_moe reference would count the experts' slots from unwritten router ids
+    assert not compile_ahead_enabled({**PLUGIN_KERNELS, "fused_moe": "torch"})
+    assert "ops on their plain-torch references: fused_moe" in caplog.text
     monkeypatch.setenv(SWITCH_ENV, "yes")
     with pytest.raises(ValueError, match=SWITCH_ENV):
-        compile_ahead_enabled()
+        compile_ahead_enabled(PLUGIN_KERNELS)
+
+
+def test_an_engine_on_the_cpu_never_compiles_ahead(qwen3_dir, monkeypatch):
+    from qllm import LLM
+
+    monkeypatch.setenv(SWITCH_ENV, "1")
+    engine = LLM(qwen3_dir).engine
+    assert not engine.compile_ahead and not engine.runner.compile_ahead
 
 
 @cuda
@@ -35,7 +52,7 @@ def test_graph_kernels_compile_ahead_and_the_capture_compiles_nothing_more(qwen3
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     settings = dict(device="cuda", max_num_seqs=4, max_model_len=256)
     llm = LLM(qwen3_dir, compile_cache_dir=str(tmp_path), cudagraph_batch_sizes=(4,),
-              **settings)
+              **settings)  # QLLM_COMPILE_AHEAD unset: the capture compiled as it went
     runner = llm.engine.runner
     runner.config.cudagraph_batch_sizes = (1, 2, 4)
     log = TritonCompileLog().start()

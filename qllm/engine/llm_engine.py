@@ -83,6 +83,10 @@ class LLMEngine:
         warm up (on CUDA), each a timed start-up phase."""
         with self.startup.phase("kernels"):
             self.kernels = self.plugins.kernels(self.device, config.dtype, config.kernels)
+        # graph capture and warm-up compile their Triton kernels ahead, in threads (CUDA, one
+        # process, every op on a plugin's kernel: qllm.runner.triton_precompile)
+        self.compile_ahead = (self.device.type == "cuda" and config.tensor_parallel_size == 1
+                              and compile_ahead_enabled(self.kernels.names()))
         self.executor = None  # the workers of a tensor-parallel engine (qllm.distributed)
         if config.tensor_parallel_size > 1:  # this process is rank 0; the ranks start here
             from qllm.engine.tensor_parallel.executor import start_engine_shards
@@ -98,7 +102,7 @@ class LLMEngine:
                                            self.plugins.cache_kinds, config, self.device)
             with self.startup.phase("graph_capture"):  # and the compile set-up
                 self.runner = ModelRunner(self.model, config, self.cache, self.device,
-                                          self.vocab_size)
+                                          self.vocab_size, compile_ahead=self.compile_ahead)
         self.scheduler = Scheduler(config, self.cache)
         with self.startup.phase("tokenizer"):
             self.tokenizer = load_tokenizer(config.model)
@@ -110,7 +114,7 @@ class LLMEngine:
         self._in_flight: SampledStep | None = None  # launched, tokens not yet appended
         if config.warm_up and self.device.type == "cuda":
             with self.startup.phase("warm_up"):
-                if compile_ahead_enabled() and self.executor is None:
+                if self.compile_ahead:
                     with compile_launches():  # the warm-up's Triton kernels compile at once,
                         self.warm_up()        # none runs; then the warm-up itself
                 self.warm_up()

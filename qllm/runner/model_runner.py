@@ -20,7 +20,7 @@ from qllm.model.causal_lm import CausalLM
 from qllm.model.multimodal import encoder_rows, rotary_positions
 from qllm.runner.cuda_graphs import CudaGraphCapture, GraphShape, HostSyncError, StepGraphs
 from qllm.runner.staging import stage
-from qllm.runner.triton_precompile import compile_ahead_enabled, compile_launches
+from qllm.runner.triton_precompile import compile_launches
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +111,9 @@ class ModelRunner:
     """
 
     def __init__(self, model: CausalLM, config: EngineConfig, cache: CacheRegistry,
-                 device: torch.device, vocab_size: int):
+                 device: torch.device, vocab_size: int, compile_ahead: bool = False):
         self.model = model
+        self.compile_ahead = compile_ahead  # compile_graph_kernels before the capture
         self.config = config
         self.cache = cache
         self.device = device
@@ -473,7 +474,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             capture = CudaGraphCapture(self.device)
             with torch.inference_mode():
-                if compile_ahead_enabled():
+                if self.compile_ahead:
                     self.compile_graph_kernels()
                 self.graphs = self.capture_graphs(False, self.decode_graph_sizes(), capture)
                 try:

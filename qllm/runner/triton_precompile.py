@@ -20,8 +20,9 @@ Only steps whose results are thrown away may run in it, and only where the other
 values from those outputs: the decode and prefill steps, whose Triton kernels' integer outputs
 (the MoE router's expert ids, the align's slot lists) are read by Triton kernels alone, so a
 torch op never indexes with them, and whose sampled tokens, argmaxes of unwritten logits, are
-valid ids whatever the logits hold. With ``QLLM_COMPILE_AHEAD=1`` (off by default until measured
-on a GPU) the engine runs two such passes: every graph bucket's step before the capture
+valid ids whatever the logits hold, as long as every op runs a plugin's kernel
+(``compile_ahead_enabled``). With ``QLLM_COMPILE_AHEAD=1`` (off by default until measured on
+a GPU) a single-process engine runs two such passes: every graph bucket's step before the capture
 (``ModelRunner.compile_graph_kernels``), and its whole warm-up (dummy prompts served, eager
 prefill steps of every size) before the warm-up itself.
 """
@@ -29,6 +30,7 @@ prefill steps of every size) before the warm-up itself.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -37,11 +39,22 @@ from qllm.switches import env_switch
 
 SWITCH_ENV = "QLLM_COMPILE_AHEAD"  # "1": capture compiles its Triton kernels ahead, in threads
 
+logger = logging.getLogger(__name__)
 
-def compile_ahead_enabled() -> bool:
-    """Whether graph capture compiles its Triton kernels ahead (``QLLM_COMPILE_AHEAD=1``; off
-    by default until measured on a GPU)."""
-    return env_switch(SWITCH_ENV, default=False)
+
+def compile_ahead_enabled(kernel_names: dict[str, str]) -> bool:
+    """Whether the engine compiles its Triton kernels ahead (``QLLM_COMPILE_AHEAD=1``; off by
+    default until measured on a GPU), given which kernel serves each op (``kernel_names``):
+    never while an op runs its plain-torch reference, which may read, as indices on the host,
+    the unwritten output of a Triton kernel the pass did not run (the ``fused_moe`` reference
+    counts each expert's slots from the router's ids)."""
+    if not env_switch(SWITCH_ENV, default=False):
+        return False
+    references = sorted(op for op, name in kernel_names.items() if name == "torch")
+    if references:
+        logger.info("not compiling ahead: ops on their plain-torch references: %s",
+                    ", ".join(references))
+    return not references
 
 
 @contextlib.contextmanager
