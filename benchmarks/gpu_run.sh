@@ -71,8 +71,9 @@
 #   startup-w2-fla-configs: W2's start-up on an emptied cache without, then with, the fla
 #   configs shipped for this GPU (QLLM_FLA_CONFIGS=0, 1; FLA_MODES=1 runs only the latter);
 #   startup-w2-ahead: the same without, then with, the graph buckets' Triton kernels compiled
-#   ahead in threads (QLLM_COMPILE_AHEAD=0, 1; AHEAD_MODES picks); core-gpu-tests: the core's
-#   CUDA tests of compiling ahead, parallel autotuning and the start-up's autotune report;
+#   ahead in threads (QLLM_COMPILE_AHEAD=0, 1; AHEAD_MODES picks); core-gpu-tests: the tests
+#   of compiling ahead, parallel autotuning, the start-up's autotune report and the shipped
+#   fla configs (their CUDA cases run only here);
 #   w2-no-prefix-cache: W2 with the hybrid prefix cache off (0 state checkpoints; on by
 #   default, as in w2); prefix-cache:
 #   prefix_cache.py (64 requests sharing a 4,000-token prompt, cache off then on);
@@ -247,9 +248,10 @@ for stage in "$@"; do
                     benchmarks/throughput.py --workload w2 --max-num-seqs 200 \
                     --max-model-len 3072 --recurrent-state-dtype bfloat16 --startup-only
             done ;;
-        core-gpu-tests) run core_gpu_tests 300 python3 -m pytest $PYTEST_GPU -m cuda \
+        core-gpu-tests) run core_gpu_tests 300 python3 -m pytest $PYTEST_GPU \
                             tests/test_triton_precompile.py tests/test_compile_ahead.py \
-                            tests/test_parallel_autotune.py tests/test_autotune_log.py ;;
+                            tests/test_parallel_autotune.py tests/test_autotune_log.py \
+                            plugins/kernels_gdn/tests/test_fla_configs.py ;;
         startup-w2-fla-configs) for mode in ${FLA_MODES:-0 1}; do  # fla autotuned, shipped
                 QLLM_FLA_CONFIGS=$mode QLLM_CACHE_DIR=/tmp/qllm-startup-fla-$mode \
                     TAIL=2 run startup_w2_fla_configs_$mode 300 python3 \
