@@ -51,7 +51,8 @@ def test_graph_kernels_compile_ahead_and_the_capture_compiles_nothing_more(qwen3
 
     prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6]]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    settings = dict(device="cuda", dtype="bfloat16", max_num_seqs=4, max_model_len=256)
+    settings = dict(device="cuda", dtype="bfloat16", max_num_seqs=4, max_model_len=256,
+                    kv_cache_memory_bytes=1 << 30)  # two engines share the GPU
     llm = LLM(qwen3_dir, compile_cache_dir=str(tmp_path), cudagraph_batch_sizes=(4,),
               **settings)  # QLLM_COMPILE_AHEAD unset: the capture compiled as it went
     runner = llm.engine.runner
