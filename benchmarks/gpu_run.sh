@@ -67,7 +67,8 @@
 #   (QLLM_PARALLEL_AUTOTUNE=0), then in parallel (the default); STARTUP_MODES=1 runs only the
 #   default; the start-up lines say what Triton compiled; fla-configs-w2: W2's start-up with
 #   fla's kernels autotuned, then the configs they picked into $OUT/fla_configs/<GPU name>/
-#   (copy it into plugins/kernels_gdn/qllm_kernels_gdn/fla_configs/ to ship it);
+#   (copy it into plugins/kernels_gdn/qllm_kernels_gdn/fla_configs/ to ship it; on the device,
+#   fla-configs-ship does, for the stages after it);
 #   startup-w2-fla-configs: W2's start-up on an emptied cache without, then with, the fla
 #   configs shipped for this GPU (QLLM_FLA_CONFIGS=0, 1; FLA_MODES=1 runs only the latter);
 #   startup-w2-ahead: the same without, then with, the graph buckets' Triton kernels compiled
@@ -254,6 +255,9 @@ for stage in "$@"; do
                             plugins/kernels_gdn/tests/test_fla_configs.py \
                             plugins/qwen3_5/tests/test_gpu_qwen3_5.py -k \
                             "not test_gpu_qwen3_5 or compiling_ahead" ;;
+        fla-configs-ship) shipped=plugins/kernels_gdn/qllm_kernels_gdn/fla_configs
+                          mkdir -p "$shipped" && cp -r "$out"/fla_configs/* "$shipped"/ \
+                              && ls "$shipped"/* ;;
         startup-w2-fla-configs) for mode in ${FLA_MODES:-0 1}; do  # fla autotuned, shipped
                 QLLM_FLA_CONFIGS=$mode QLLM_CACHE_DIR=/tmp/qllm-startup-fla-$mode \
                     TAIL=2 run startup_w2_fla_configs_$mode 300 python3 \
