@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from qllm.switches import env_switch
-from qllm_kernels_linear.configs import GemvConfig, block_m, next_power_of_2
+from qllm_kernels_linear.configs import GemvConfig, block_m, next_power_of_2, sweep_grid
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig
 
 GEMV_MAX_ROWS = 4  # the GEMV serves decode batches 1-4 (the graphs' padded sizes 1, 2, 4)
@@ -112,27 +112,12 @@ def slot_gemm_config(config: GemvConfig) -> GemmConfig:
     return GemmConfig(config.BLOCK_N, config.BLOCK_K, 1, config.num_warps, config.num_stages)
 
 
-# The sweep's grid: per warp count, one, two or four chunks per thread and row (BLOCK_K up to
-# K, or one warp span per warp when K is smaller); accumulators up to twice ACC_REGISTERS;
-# pipelining only where the loop has several steps.
-SWEEP_WARPS = (1, 2, 4, 8)
-SWEEP_SPANS = (1, 2, 4)
-SWEEP_BLOCK_N = (1, 2, 4, 8, 16, 32)
 SWEEP_STAGES = (1, 2)
 
 
 def candidates(m: int, n: int, k: int, rows_per_column: int = 1) -> list[GemvConfig]:
     """The configs ``bench_int8.py --sweep`` times for ``m`` rows and K = ``k`` through ``n``
-    output columns of ``rows_per_column`` weight rows each."""
-    found = []
-    for warps in SWEEP_WARPS:
-        for spans in SWEEP_SPANS:
-            block_k = spans * WARP_COLUMNS * warps
-            if block_k > max(next_power_of_2(k), WARP_COLUMNS * warps):
-                continue
-            for block_n in SWEEP_BLOCK_N:
-                accumulator = block_m(m) * block_n * rows_per_column * spans
-                if block_n <= n and accumulator <= 2 * ACC_REGISTERS:
-                    found += [GemvConfig(block_n, block_k, warps, stages)
-                              for stages in SWEEP_STAGES if stages == 1 or block_k < k]
-    return found
+    output columns of ``rows_per_column`` weight rows each: kernels_linear's sweep grid with
+    accumulators up to twice ``ACC_REGISTERS`` (one register per chunk here) and no deeper
+    pipelining than 2 stages."""
+    return sweep_grid(m, n, k, 2 * ACC_REGISTERS, SWEEP_STAGES, rows_per_column)

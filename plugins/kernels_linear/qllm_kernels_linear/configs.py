@@ -105,16 +105,19 @@ def default_config(m: int, n: int, k: int) -> GemvConfig:
 
 # The sweep's grid: per warp count, one, two or four warp spans per warp (BLOCK_K up to K, or
 # one span per warp when K is smaller; whole spans: no layout conversion, see above);
-# accumulators up to twice ACC_REGISTERS; pipelining only where the loop has several steps.
+# pipelining only where the loop has several steps.
 SWEEP_BLOCK_N = (1, 2, 4, 8, 16, 32)
 SWEEP_WARPS = (1, 2, 4, 8)
 SWEEP_SPANS = (1, 2, 4)
 SWEEP_STAGES = (1, 2, 3)
 
 
-def candidates(m: int, n: int, k: int) -> list[GemvConfig]:
-    """The configs ``bench_linear.py --sweep`` times for ``m`` rows and ``weight [n, k]``."""
-    rows = block_m(m)
+def sweep_grid(m: int, n: int, k: int, max_chunks: int, stages: tuple[int, ...],
+               rows_per_column: int = 1) -> list[GemvConfig]:
+    """The sweep's configs for ``m`` rows and K = ``k`` through ``n`` output columns of
+    ``rows_per_column`` weight rows each, whose accumulator holds at most ``max_chunks``
+    chunks of ``THREAD_VECTOR`` columns per thread (input rows x weight rows x spans), with
+    each of ``stages`` (this GEMV's grid, and the 8-bit GEMV's)."""
     found = []
     for warps in SWEEP_WARPS:
         for spans in SWEEP_SPANS:
@@ -122,8 +125,14 @@ def candidates(m: int, n: int, k: int) -> list[GemvConfig]:
             if block_k > max(next_power_of_2(k), WARP_COLUMNS * warps):
                 continue
             for block_n in SWEEP_BLOCK_N:
-                per_thread = rows * block_n * block_k // (32 * warps)  # accumulator registers
-                if block_n <= n and per_thread <= 2 * ACC_REGISTERS:
-                    found += [GemvConfig(block_n, block_k, warps, stages)
-                              for stages in SWEEP_STAGES if stages == 1 or block_k < k]
+                chunks = block_m(m) * block_n * rows_per_column * spans
+                if block_n <= n and chunks <= max_chunks:
+                    found += [GemvConfig(block_n, block_k, warps, stage)
+                              for stage in stages if stage == 1 or block_k < k]
     return found
+
+
+def candidates(m: int, n: int, k: int) -> list[GemvConfig]:
+    """The configs ``bench_linear.py --sweep`` times for ``m`` rows and ``weight [n, k]``:
+    accumulators up to twice ``ACC_REGISTERS`` per thread."""
+    return sweep_grid(m, n, k, 2 * ACC_REGISTERS // THREAD_VECTOR, SWEEP_STAGES)
