@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import inspect
 import json
 import time
 from unittest import mock
@@ -28,7 +27,7 @@ import torch
 
 from qllm.config import EngineConfig
 from qllm.plugins import pdl
-from qllm.testing.sm90 import KernelLaunch, captured_launches, compile_for_sm90
+from qllm.testing.sm90 import KernelLaunch, captured_launches, compile_for_sm90, specialize
 
 BF16, F32, I32, I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 SLOTS, PAGES, PAGE = 256, 4096, 256  # recurrent-state slots, KV pages and their tokens
@@ -96,21 +95,11 @@ def decode_calls(batch: int, c) -> dict:
 
 
 def specialization(launch: KernelLaunch) -> tuple:
-    """What Triton keys a compile of ``launch`` by (as ``compile_for_sm90`` specializes)."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
-
-    parameters = inspect.signature(launch.kernel.fn).parameters
-    key = [launch.kernel.fn.__name__]
-    for index, name in enumerate(launch.kernel.arg_names):
-        value = launch.args[name]
-        if "constexpr" in str(parameters[name].annotation):
-            key.append((name, value))
-            continue
-        specialize = index not in launch.kernel.do_not_specialize
-        key.append((name, *native_specialize_impl(BaseBackend, value, False, specialize,
-                                                  specialize)))
-    return (*key, tuple(sorted(launch.options.items())))
+    """What Triton keys a compile of ``launch`` by: the kernel, its specialized signature,
+    constants and divisible arguments (``qllm.testing.sm90.specialize``), the launch options."""
+    signature, constexprs, attrs = specialize(launch.kernel, launch.args)
+    return (launch.kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()),
+            tuple(attrs), tuple(sorted(launch.options.items())))
 
 
 def variants(max_num_seqs: int, config) -> dict[tuple, KernelLaunch]:

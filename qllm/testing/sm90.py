@@ -51,14 +51,13 @@ def sm90_compiler_missing() -> str | None:
     return None
 
 
-def compile_for_sm90(kernel, args: dict, options: dict):
-    """``kernel`` (a ``triton.jit`` function) compiled for sm_90 with ``args``, every parameter
-    by name (tensors, on ``meta`` or not, ints, ``None``, constexpr values), specialized as a
-    launch with those values would be; ``options``: ``num_warps``, ``num_stages``..."""
-    import triton
+def specialize(kernel, args: dict) -> tuple[dict, dict, dict]:
+    """``(signature, constexprs, attrs)`` of ``kernel`` (a ``triton.jit`` function) launched
+    with ``args``, every parameter by name (tensors, on ``meta`` or not, ints, ``None``,
+    constexpr values), as Triton specializes a launch: what it compiles, and keys its compiles
+    by."""
     from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.compiler import ASTSource
+    from triton.backends.compiler import BaseBackend
 
     parameters = inspect.signature(kernel.fn).parameters
     signature, constexprs, attrs = {}, {}, {}
@@ -67,14 +66,25 @@ def compile_for_sm90(kernel, args: dict, options: dict):
         if "constexpr" in str(parameters[name].annotation):
             signature[name], constexprs[(index,)] = "constexpr", value
             continue
-        specialize = index not in kernel.do_not_specialize
-        kind, spec = native_specialize_impl(BaseBackend, value, False, specialize, specialize)
+        specialized = index not in kernel.do_not_specialize
+        kind, spec = native_specialize_impl(BaseBackend, value, False, specialized, specialized)
         signature[name] = kind
         if kind == "constexpr":
             constexprs[(index,)] = spec
         elif spec == "D":
             attrs[(index,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+    return signature, constexprs, attrs
+
+
+def compile_for_sm90(kernel, args: dict, options: dict):
+    """``kernel`` (a ``triton.jit`` function) compiled for sm_90 with ``args`` (every parameter
+    by name), specialized as a launch with those values would be (``specialize``);
+    ``options``: ``num_warps``, ``num_stages``..."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    return triton.compile(ASTSource(kernel, *specialize(kernel, args)),
                           target=GPUTarget("cuda", 90, 32), options=options)
 
 

@@ -18,6 +18,8 @@ lengths the step already has (``chunk_indices``) and passes it in: no host sync.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from qllm.ops.gdn import gdn_gates
@@ -33,6 +35,16 @@ def chunk_indices(query_lens: list[int], device: torch.device) -> torch.Tensor:
     pairs = [(seq, chunk) for seq, length in enumerate(query_lens)
              for chunk in range(-(-length // CHUNK_SIZE))]
     return torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2).to(device, non_blocking=True)
+
+
+@functools.cache
+def _fla_chunk_rule(device_index: int):
+    """fla's ``chunk_gated_delta_rule``, imported once fla has been pointed at the configs
+    this plugin ships for the GPU (``fla_configs``): the lookup runs once per process."""
+    use_shipped_configs(torch.cuda.get_device_name(device_index))
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule
 
 
 def chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
@@ -51,9 +63,8 @@ def chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Te
             f"chunk index comes from the host's query lengths, which a replay would not "
             f"refresh; keep prefill_cudagraph_token_sizes at or below the steps that take "
             f"the recurrent kernel")
-    use_shipped_configs(torch.cuda.get_device_name(q.device))  # before fla is imported
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
+    chunk_gated_delta_rule = _fla_chunk_rule(q.device.index if q.device.index is not None
+                                             else torch.cuda.current_device())
     g, beta = gdn_gates(a, b, A_log, dt_bias)  # [T, Hv] fp32 each
     initial = torch.where(has_state[:, None, None, None], ssm_state[slots].float(), 0.0)
     # fla memoises index tensors derived from cu_seqlens by object identity: a fresh tensor per

@@ -39,8 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from qllm.testing.benchmarking import compile_ahead, print_table, time_ms
-from qllm_kernels_linear import ops
-from qllm_kernels_linear import swept
+from qllm_kernels_linear import ops, swept
 from qllm_kernels_linear.configs import MAX_GEMV_ROWS, GemvConfig, candidates, default_config
 from qllm_kernels_linear.testing import QWEN3_5_35B_A3B_SHAPES, linear_inputs
 from qllm_kernels_linear.triton_gemv import gemv
