@@ -1,11 +1,16 @@
 """compile_launches as graph capture uses it (QLLM_COMPILE_AHEAD=1): the switch, and on CUDA
 graph buckets whose Triton kernels compiled ahead, the capture compiling nothing more and the
-graphs decoding an eager engine's tokens. The launch-to-compile mechanism itself is tested
-through ``compile_ahead`` (tests/test_compile_ahead.py), which shares it."""
+graphs decoding the tokens of an engine that compiled as it captured. The launch-to-compile
+mechanism itself is tested through ``compile_ahead`` (tests/test_compile_ahead.py), which
+shares it."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -35,38 +40,59 @@ def test_an_engine_on_the_cpu_never_compiles_ahead(qwen3_dir, monkeypatch):
     from qllm import LLM
 
     monkeypatch.setenv(SWITCH_ENV, "1")
-    engine = LLM(qwen3_dir).engine
+    engine = LLM(qwen3_dir, device="cpu").engine
     assert not engine.compile_ahead and not engine.runner.compile_ahead
+
+
+# An engine captured at 4 sequences, then batch sizes 1 and 2 compiled ahead (Triton's
+# compiles counted) and captured; prints the compiles ahead, all compiles, and the tokens of
+# its graphs. In a fresh process: Triton keeps the kernels it compiled in memory, so an engine
+# built earlier in this one would have compiled them already.
+CAPTURE_AHEAD = """
+import json, sys
+import torch
+from qllm import LLM, SamplingParams
+from qllm.runner.cuda_graphs import CudaGraphCapture
+from qllm.runner.triton_compiles import TritonCompileLog
+settings = json.loads(sys.argv[2])
+llm = LLM(sys.argv[1], cudagraph_batch_sizes=(4,), **settings)
+runner = llm.engine.runner
+runner.config.cudagraph_batch_sizes = (1, 2, 4)
+log = TritonCompileLog().start()
+with torch.inference_mode():
+    runner.compile_graph_kernels()
+    ahead = log.summary()["compiled"]
+    runner.graphs = runner.capture_graphs(False, runner.decode_graph_sizes(),
+                                          CudaGraphCapture(runner.device))
+log.stop()
+params = SamplingParams(max_tokens=12, ignore_eos=True)
+outputs = llm.generate(json.loads(sys.argv[3]), params, use_tqdm=False)
+print(json.dumps({"ahead": ahead, "compiled": log.summary()["compiled"],
+                  "tokens": [o["token_ids"] for o in outputs]}))
+"""
 
 
 @cuda
 def test_graph_kernels_compile_ahead_and_the_capture_compiles_nothing_more(qwen3_dir, tmp_path):
-    """An engine captured at 4 sequences; then batch sizes 1 and 2 compiled ahead (Triton
-    compiles counted, in a fresh Triton cache) and captured (nothing more compiled), their
-    graphs decoding the tokens of an engine that captured 1, 2 and 4 as it went (bf16: the
-    same kernels and graphs, so the same bits)."""
+    """In a fresh process with a fresh compile cache (``CAPTURE_AHEAD``), batch sizes 1 and 2
+    compile Triton kernels ahead and their capture compiles nothing more; their graphs decode
+    the tokens of an engine that captured 1, 2 and 4 as it went (bf16: the same kernels and
+    graphs, so the same bits)."""
     from qllm import LLM, SamplingParams
-    from qllm.runner.cuda_graphs import CudaGraphCapture
-    from qllm.runner.triton_compiles import TritonCompileLog
 
     prompts = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6]]
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
     settings = dict(device="cuda", dtype="bfloat16", max_num_seqs=4, max_model_len=256,
                     kv_cache_memory_bytes=1 << 30)  # two engines share the GPU
-    llm = LLM(qwen3_dir, compile_cache_dir=str(tmp_path), cudagraph_batch_sizes=(4,),
-              **settings)  # QLLM_COMPILE_AHEAD unset: the capture compiled as it went
-    runner = llm.engine.runner
-    runner.config.cudagraph_batch_sizes = (1, 2, 4)
-    log = TritonCompileLog().start()
-    try:
-        with torch.inference_mode():
-            runner.compile_graph_kernels()
-            compiled_ahead = log.summary()["compiled"]
-            runner.graphs = runner.capture_graphs(False, runner.decode_graph_sizes(),
-                                                  CudaGraphCapture(runner.device))
-    finally:
-        log.stop()
-    assert compiled_ahead > 0 and log.summary()["compiled"] == compiled_ahead
-    tokens = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env.pop(SWITCH_ENV, None)  # the first capture compiles as it goes
+    done = subprocess.run(
+        [sys.executable, "-c", CAPTURE_AHEAD, qwen3_dir,
+         json.dumps({**settings, "compile_cache_dir": str(tmp_path)}), json.dumps(prompts)],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ahead = json.loads(done.stdout.strip().splitlines()[-1])
+    assert ahead["ahead"] > 0 and ahead["compiled"] == ahead["ahead"], ahead
     plain = LLM(qwen3_dir, cudagraph_batch_sizes=(1, 2, 4), **settings)
-    assert tokens == [o["token_ids"] for o in plain.generate(prompts, params, use_tqdm=False)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert ahead["tokens"] == [o["token_ids"]
+                               for o in plain.generate(prompts, params, use_tqdm=False)]
