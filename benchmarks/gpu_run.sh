@@ -66,8 +66,9 @@
 #   (QLLM_CACHE_DIR=/tmp/qllm-startup-N): autotuned kernels' configs compiled one by one
 #   (QLLM_PARALLEL_AUTOTUNE=0), then in parallel (the default); STARTUP_MODES=1 runs only the
 #   default; the start-up lines say what Triton compiled; fla-configs-w2: W2's start-up with
-#   fla's kernels autotuned, then the configs they picked into $OUT/fla_configs/<GPU name>/
-#   (copy it into plugins/kernels_gdn/qllm_kernels_gdn/fla_configs/ to ship it; on the device,
+#   fla's kernels autotuned, then the configs they picked, packed as $OUT/fla_configs.tgz
+#   (fla_configs/<GPU name>/*.json: unpack it into plugins/kernels_gdn/qllm_kernels_gdn/ to
+#   ship it; one file, as the call returns few; on the device,
 #   fla-configs-ship does, for the stages after it);
 #   startup-w2-fla-configs: W2's start-up on an emptied cache without, then with, the fla
 #   configs shipped for this GPU (QLLM_FLA_CONFIGS=0, 1; FLA_MODES=1 runs only the latter);
@@ -236,7 +237,8 @@ for stage in "$@"; do
         fla-configs-w2) QLLM_FLA_CONFIGS=0 run fla_configs_w2 300 python3 \
                             benchmarks/throughput.py --workload w2 --max-num-seqs 200 \
                             --max-model-len 3072 --recurrent-state-dtype bfloat16 \
-                            --startup-only --dump-fla-configs "$out/fla_configs" ;;
+                            --startup-only --dump-fla-configs /tmp/qllm-fla/fla_configs
+                        tar czf "$out/fla_configs.tgz" -C /tmp/qllm-fla fla_configs ;;
         startup-w2-cold) for mode in ${STARTUP_MODES:-0 1}; do  # parallel autotune off, on
                 QLLM_PARALLEL_AUTOTUNE=$mode QLLM_CACHE_DIR=/tmp/qllm-startup-$mode \
                     TAIL=2 run startup_w2_cold_parallel_$mode 300 python3 \
@@ -256,7 +258,7 @@ for stage in "$@"; do
                             plugins/qwen3_5/tests/test_gpu_qwen3_5.py -k \
                             "not test_gpu_qwen3_5 or compiling_ahead" ;;
         fla-configs-ship) shipped=plugins/kernels_gdn/qllm_kernels_gdn/fla_configs
-                          mkdir -p "$shipped" && cp -r "$out"/fla_configs/* "$shipped"/ \
+                          mkdir -p "$shipped" && cp -r /tmp/qllm-fla/fla_configs/* "$shipped"/ \
                               && ls "$shipped"/* ;;
         startup-w2-fla-configs) for mode in ${FLA_MODES:-0 1}; do  # fla autotuned, shipped
                 QLLM_FLA_CONFIGS=$mode QLLM_CACHE_DIR=/tmp/qllm-startup-fla-$mode \

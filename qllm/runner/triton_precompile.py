@@ -21,10 +21,11 @@ values from those outputs: the decode and prefill steps, whose Triton kernels' i
 (the MoE router's expert ids, the align's slot lists) are read by Triton kernels alone, so a
 torch op never indexes with them, and whose sampled tokens, argmaxes of unwritten logits, are
 valid ids whatever the logits hold, as long as every op runs a plugin's kernel
-(``compile_ahead_enabled``). With ``QLLM_COMPILE_AHEAD=1`` (off by default until measured on
-a GPU) a single-process engine runs two such passes: every graph bucket's step before the capture
+(``compile_ahead_enabled``). A single-process engine on CUDA runs two such passes unless
+``QLLM_COMPILE_AHEAD=0``: every graph bucket's step before the capture
 (``ModelRunner.compile_graph_kernels``), and its whole warm-up (dummy prompts served, eager
-prefill steps of every size) before the warm-up itself.
+prefill steps of every size) before the warm-up itself. W2's cold start-up on the H200 took
+67.2 s with them against 85.2 s without (2026-12-05, ``gpu_run.sh startup-w2-ahead``).
 """
 
 from __future__ import annotations
@@ -37,18 +38,18 @@ from concurrent.futures import ThreadPoolExecutor
 from qllm.runner.parallel_autotune import tuning_key, untuned
 from qllm.switches import env_switch
 
-SWITCH_ENV = "QLLM_COMPILE_AHEAD"  # "1": capture compiles its Triton kernels ahead, in threads
+SWITCH_ENV = "QLLM_COMPILE_AHEAD"  # "0": capture and warm-up compile as they go, one by one
 
 logger = logging.getLogger(__name__)
 
 
 def compile_ahead_enabled(kernel_names: dict[str, str]) -> bool:
-    """Whether the engine compiles its Triton kernels ahead (``QLLM_COMPILE_AHEAD=1``; off by
-    default until measured on a GPU), given which kernel serves each op (``kernel_names``):
+    """Whether the engine compiles its Triton kernels ahead (unless ``QLLM_COMPILE_AHEAD=0``),
+    given which kernel serves each op (``kernel_names``):
     never while an op runs its plain-torch reference, which may read, as indices on the host,
     the unwritten output of a Triton kernel the pass did not run (the ``fused_moe`` reference
     counts each expert's slots from the router's ids)."""
-    if not env_switch(SWITCH_ENV, default=False):
+    if not env_switch(SWITCH_ENV):
         return False
     references = sorted(op for op, name in kernel_names.items() if name == "torch")
     if references:
