@@ -64,7 +64,7 @@ def counted(name, method):
 ModelRunner.compile_graph_kernels = counted("ahead", ModelRunner.compile_graph_kernels)
 ModelRunner.capture_graphs = counted("capture", ModelRunner.capture_graphs)
 llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))
-params = SamplingParams(max_tokens=12, ignore_eos=True)
+params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 outputs = llm.generate(json.loads(sys.argv[3]), params, use_tqdm=False)
 print(json.dumps({**compiles, "tokens": [o["token_ids"] for o in outputs]}))
 """
