@@ -53,3 +53,34 @@ def test_sampling_follows_the_softmax():
     tokens = sample(logits, settings([SamplingParams(temperature=1.0)] * 20_000))
     assert set(tokens.unique().tolist()) <= {0, 1}
     assert abs((tokens == 0).float().mean().item() - 0.8) < 0.02
+
+
+def test_unseeded_draws_go_to_the_op_and_seeded_batches_do_not():
+    """``sample`` hands unseeded batches to its ``sample_tokens`` op (top-k / top-p filtered
+    and scaled first, temperature 1 then), with a seed from torch's CPU generator; a batch
+    with a seeded row is drawn in plain torch."""
+    calls = []
+
+    def op(logits, temperature, seed):
+        calls.append((logits.clone(), temperature.clone(), seed))
+        return torch.zeros(logits.shape[0], dtype=torch.int64)
+
+    logits = torch.randn(3, VOCAB)
+    plain = [SamplingParams(temperature=0.5), SamplingParams(temperature=0),
+             SamplingParams(temperature=2.0)]
+    torch.manual_seed(3)
+    sample(logits, settings(plain), op)
+    torch.manual_seed(3)
+    sample(logits, settings(plain), op)
+    (first, temperature, seed), (_, _, seed_again) = calls
+    assert torch.equal(first, logits) and temperature.tolist() == [0.5, 0.0, 2.0]
+    assert seed == seed_again  # torch.manual_seed repeats the draw
+    calls.clear()
+    tokens = sample(logits, settings([SamplingParams(temperature=0.5, top_k=3),
+                                      SamplingParams(temperature=0)] + plain[2:]), op)
+    (filtered, temperature, _), = calls
+    assert temperature.tolist() == [1.0, 0.0, 1.0] and tokens[1] == logits[1].argmax()
+    assert torch.isinf(filtered[0]).sum() == VOCAB - 3
+    calls.clear()
+    sample(logits, settings(plain, [None, None, 7]), op)
+    assert not calls

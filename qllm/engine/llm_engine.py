@@ -102,7 +102,8 @@ class LLMEngine:
                                            self.plugins.cache_kinds, config, self.device)
             with self.startup.phase("graph_capture"):  # and the compile set-up
                 self.runner = ModelRunner(self.model, config, self.cache, self.device,
-                                          self.vocab_size, compile_ahead=self.compile_ahead)
+                                          self.vocab_size, compile_ahead=self.compile_ahead,
+                                          sample_tokens=self.kernels.sample_tokens)
         self.scheduler = Scheduler(config, self.cache)
         with self.startup.phase("tokenizer"):
             self.tokenizer = load_tokenizer(config.model)

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from qllm.config import SamplingParams
+from qllm.ops.sampling import exponential_race, scale
+from qllm.ops.sampling import sample_tokens as reference_sample_tokens
+
+SEED_BOUND = 2 ** 62  # the seeds drawn for the ``sample_tokens`` op lie in [0, SEED_BOUND)
 
 
 @dataclass
@@ -42,28 +46,43 @@ class SamplingTensors:
                    any_top_p=any(p.top_p < 1 for p in params))
 
 
-def sample(logits: torch.Tensor, settings: SamplingTensors) -> torch.Tensor:
+def sample(logits: torch.Tensor, settings: SamplingTensors,
+           sample_tokens=reference_sample_tokens) -> torch.Tensor:
     """Pick one token per row of ``logits [N, V]`` (any float dtype; probabilities in fp32)
     -> ``[N]`` int64, without a host sync.
 
-    Sampling uses the exponential race ``argmax(p / q), q ~ Exp(1)``, which draws from ``p``;
-    rows with a seed draw ``q`` from their own generator, so their tokens do not depend on
-    what else is in the batch.
+    Draws follow the exponential race ``argmax(p / q), q ~ Exp(1)``, which draws from ``p``.
+    Rows with a seed draw ``q`` from their own generator, so their tokens do not depend on
+    what else is in the batch: a batch holding one is drawn here, in plain torch. Any other
+    batch goes to ``sample_tokens`` (the ``sample_tokens`` op, ``qllm.ops.sampling``; the
+    engine passes its kernel) with a seed from torch's default CPU generator, so
+    ``torch.manual_seed`` makes a run repeatable; after the top-k / top-p filter where a row
+    asks for one.
     """
-    greedy = logits.argmax(dim=-1)
     if settings.all_greedy:
-        return greedy
-    temperature = torch.where(settings.temperature > 0, settings.temperature, 1.0)
-    logits = logits.float() / temperature[:, None]
+        return logits.argmax(dim=-1)
+    if any(generator is not None for generator in settings.generators):
+        return _sample_with_generators(logits, settings)
+    seed = int(torch.randint(SEED_BOUND, ()))
+    if not (settings.any_top_k or settings.any_top_p):
+        return sample_tokens(logits, settings.temperature, seed)
+    sampled = settings.temperature > 0
+    filtered = _filter_top_k_top_p(scale(logits, settings.temperature), settings)
+    drawn = sample_tokens(filtered, sampled.float(), seed)  # already scaled: temperature 1
+    return torch.where(sampled, drawn, logits.argmax(dim=-1))
+
+
+def _sample_with_generators(logits: torch.Tensor, settings: SamplingTensors) -> torch.Tensor:
+    """``sample`` of a batch where some rows draw from their own generator."""
+    scaled = scale(logits, settings.temperature)
     if settings.any_top_k or settings.any_top_p:
-        logits = _filter_top_k_top_p(logits, settings)
-    probs = torch.softmax(logits, dim=-1)
-    noise = torch.empty_like(probs).exponential_()
+        scaled = _filter_top_k_top_p(scaled, settings)
+    noise = torch.empty_like(scaled).exponential_()
     for row, generator in enumerate(settings.generators):
         if generator is not None:
             noise[row].exponential_(generator=generator)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(settings.temperature > 0, sampled, greedy)
+    return torch.where(settings.temperature > 0, exponential_race(scaled, noise),
+                       logits.argmax(dim=-1))
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, settings: SamplingTensors) -> torch.Tensor:

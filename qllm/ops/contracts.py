@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from qllm.ops import attention, gdn, linear, moe, norm, rope
+from qllm.ops import attention, gdn, linear, moe, norm, rope, sampling
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,8 @@ CORE_OPS: tuple[OpContract, ...] = (
                "softmax top-k routing, then the shared expert's sigmoid-gated slot"),
     OpContract("fused_moe", moe.fused_moe,
                "the SwiGLU experts of each token's routed slots, weighted, unsummed"),
+    OpContract("sample_tokens", sampling.sample_tokens,
+               "a token per row drawn from softmax(logits / temperature), argmax at 0"),
 )
 
 

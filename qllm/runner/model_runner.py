@@ -18,6 +18,7 @@ from qllm.layers.penalties import LogitsAdjustments, apply_penalties
 from qllm.layers.sampler import SamplingTensors, sample
 from qllm.model.causal_lm import CausalLM
 from qllm.model.multimodal import encoder_rows, rotary_positions
+from qllm.ops.sampling import sample_tokens as reference_sample_tokens
 from qllm.runner.cuda_graphs import CudaGraphCapture, GraphShape, HostSyncError, StepGraphs
 from qllm.runner.staging import stage
 from qllm.runner.triton_precompile import compile_launches
@@ -111,9 +112,11 @@ class ModelRunner:
     """
 
     def __init__(self, model: CausalLM, config: EngineConfig, cache: CacheRegistry,
-                 device: torch.device, vocab_size: int, compile_ahead: bool = False):
+                 device: torch.device, vocab_size: int, compile_ahead: bool = False,
+                 sample_tokens=reference_sample_tokens):
         self.model = model
         self.compile_ahead = compile_ahead  # compile_graph_kernels before the capture
+        self.sample_tokens = sample_tokens  # the sample_tokens op's kernel (qllm.ops.sampling)
         self.config = config
         self.cache = cache
         self.device = device
@@ -427,7 +430,7 @@ class ModelRunner:
                                              self.vocab_size, self.device)
             adjust = self._adjustments(sampled_seqs, previous, eos_token_ids)
             device_tokens = sample(logits if adjust is None else apply_penalties(logits, adjust),
-                                   settings)  # [N]
+                                   settings, self.sample_tokens)  # [N]
         else:
             device_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         out = device_tokens

@@ -365,7 +365,8 @@ def start_engine_shards(engine, config, hf_config, plugins, kernels, device: tor
         cache = CacheRegistry(model, plugins.layer_kinds, plugins.cache_kinds, config, device,
                               agree=executor.agree_units)
         runner = DriverRunner(model, config, cache, device, hf_config.get_text_config()
-                              .vocab_size, executor=executor)
+                              .vocab_size, executor=executor,
+                              sample_tokens=kernels.sample_tokens)
     except BaseException:
         executor.close()
         raise
