@@ -53,6 +53,8 @@
 #   on the same engine (W1 batch 256 x 1,100, W2 200 x 2,000, W3 1 x 512; files in $OUT);
 #   w3-cublas: W3 with the projections on cuBLAS (the linear op pinned to torch), the GEMV's
 #   baseline; w3-autotune: the same with Inductor's GEMM autotuning in the decode layers;
+#   w1-sampling-torch: W1 with its draws on the plain-torch sample_tokens (the kernel's baseline);
+#   sampling-tests: the sampling kernel's tests (CUDA ones included);
 #   w1-peer, w2-peer, w3-peer:
 #   transformers on the same workload; w1-sync: W1 without async scheduling; w1-logprobs:
 #   W1 with the top-5 log-probs of every token; bench-logprobs: the per-step cost of
@@ -229,6 +231,10 @@ for stage in "$@"; do
                                         --rows 16 64 512 --parts dense ;;
         w1) run w1 300 python3 benchmarks/throughput.py --workload w1 \
                 --profile-decode 256 1100 --profile-out "$out" ;;
+        w1-sampling-torch) run w1_sampling_torch 300 python3 benchmarks/throughput.py \
+                               --workload w1 --kernel sample_tokens=torch ;;
+        sampling-tests) run sampling_tests 200 python3 -m pytest $PYTEST_GPU \
+                            plugins/kernels_sampling/tests tests/test_sampler.py ;;
         w1-peer) run w1_peer 200 python3 benchmarks/throughput.py --workload w1 \
                      --engine transformers --peer-prompts 64 --peer-max-tokens 256 ;;
         w2) run w2 360 python3 benchmarks/throughput.py --workload w2 --max-num-seqs 200 \
