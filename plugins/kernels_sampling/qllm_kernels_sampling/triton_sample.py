@@ -5,22 +5,22 @@ The reference writes the fp32 scaled logits, their softmax, an ``Exp(1)`` noise 
 quotient before its argmax: at W1's batch of 256 rows of 151,936 logits, about 1.3 GB of
 memory traffic in some eight kernels per step (851 us on an H100). Here each program reads
 ``CHUNK`` logits of one row once, draws their noise in registers (Philox, ``tl.randint4x``:
-four uniforms per counter) and keeps two running maxima per lane, the race's and the greedy
-argmax's:
+four uniforms per counter) and keeps each lane's running maximum of
 
     score = logits / T - log(-log(u)),   u ~ U(0, 1)
 
 the Gumbel-max form of the reference's exponential race (``-log(u) ~ Exp(1)``; ``argmax(p /
 q)`` is ``argmax(log p - log q)``, and ``log p`` is ``logits / T`` up to the row's constant).
-Each program stores its chunk's two maxima and their columns; a second kernel, one program
-per row, picks the row's (the race's where its temperature is above 0, else the greedy one).
+A row at temperature 0 takes the logits themselves (no noise). Each program stores its
+chunk's maximum and its column; a second kernel, one program per row, picks the row's.
 Ties keep the first column (a lane replaces its maximum only by a larger one, and maxima go
 to the smallest column among equals), so a row at temperature 0 gets ``torch.argmax``'s
 token. Logits of ``-inf`` score ``-inf`` and are never drawn. On CUDA the logs are the
 approximate ``lg2.approx`` ones (noise needs no more; 1.8x faster at 256 rows).
 
-The noise of element ``(row, column)`` is Philox's output at counter ``(column // 4's lane,
-row)`` under ``seed``: the same seed, shapes and logits give the same tokens, however the
+The noise of element ``(row, column)`` is one of Philox's four outputs under ``seed`` at a
+counter made of the row and the column (``start / 4 + lane`` for ``column = start + part *
+BLOCK + lane``): the same seed, shapes and logits give the same tokens, however the
 columns are split, and rows draw independent noise. The launches depend on shapes only; the
 sampler calls them eagerly, after the step's CUDA graph.
 """
@@ -54,20 +54,17 @@ def _log(x, FAST_LOG: tl.constexpr):
 
 
 @triton.jit
-def _race_step(row_ptr, columns, vocab, inverse_temperature, uniform, best, best_at, top,
-               top_at, FAST_LOG: tl.constexpr):
-    """One lane vector's step: the columns' scores against the running maxima ``best`` (the
-    race) and ``top`` (the greedy argmax), with their columns."""
-    logits = tl.load(row_ptr + columns, mask=columns < vocab,
-                     other=float("-inf")).to(tl.float32)  # [BLOCK]
-    score = logits * inverse_temperature - _log(-_log(uniform, FAST_LOG), FAST_LOG)
-    better = score > best
-    best = tl.where(better, score, best)
-    best_at = tl.where(better, columns, best_at)
-    higher = logits > top
-    top = tl.where(higher, logits, top)
-    top_at = tl.where(higher, columns, top_at)
-    return best, best_at, top, top_at
+def _load_logits(row_ptr, columns, vocab):
+    """The row's logits at ``columns`` in fp32, ``-inf`` past the vocabulary."""
+    return tl.load(row_ptr + columns, mask=columns < vocab, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
+def _keep_larger(values, columns, best, best_at):
+    """The lanes' running maxima ``best`` (and their columns): replaced only by a larger
+    value, so a lane keeps its first column among equals."""
+    larger = values > best
+    return tl.where(larger, values, best), tl.where(larger, columns, best_at)
 
 
 @triton.jit
@@ -78,52 +75,48 @@ def _first_maximum(values, columns, vocab):
 
 
 @triton.jit(do_not_specialize=["seed", "vocab", "stride_row"])
-def _race_chunk_kernel(logits_ptr, temperature_ptr, best_ptr, best_at_ptr, top_ptr, top_at_ptr,
-                       seed, vocab, stride_row, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                       FAST_LOG: tl.constexpr):
-    """Program ``(row, chunk)``: the race's and the greedy maxima of the row's ``CHUNK``
-    columns from ``chunk * CHUNK``, and their columns, into ``[N, chunks]`` buffers."""
+def _chunk_maximum_kernel(logits_ptr, temperature_ptr, best_ptr, best_at_ptr, seed, vocab,
+                          stride_row, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                          FAST_LOG: tl.constexpr):
+    """Program ``(row, chunk)``: over the row's ``CHUNK`` columns from ``chunk * CHUNK``, the
+    maximum score (``logits / T - log(-log(u))``, or the logits where ``T`` is 0) and its
+    first column, into ``best`` / ``best_at [N, chunks]``."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    chunks = tl.num_programs(1)
     temperature = tl.load(temperature_ptr + row)
-    inverse_temperature = 1.0 / tl.where(temperature > 0, temperature, 1.0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     lanes = tl.arange(0, BLOCK)
-    counters = (row.to(tl.int64) << 32) + lanes  # [BLOCK]: the row in the high word
     best = tl.full((BLOCK,), float("-inf"), tl.float32)
-    top = tl.full((BLOCK,), float("-inf"), tl.float32)
     best_at = tl.zeros((BLOCK,), tl.int32)
-    top_at = tl.zeros((BLOCK,), tl.int32)
-    for start in tl.range(chunk * CHUNK, chunk * CHUNK + CHUNK, 4 * BLOCK):
-        bits = tl.randint4x(seed, counters + start // 4)  # four [BLOCK] int32 blocks
-        for part in tl.static_range(4):
-            best, best_at, top, top_at = _race_step(
-                row_ptr, start + part * BLOCK + lanes, vocab, inverse_temperature,
-                tl.random.uint_to_uniform_float(bits[part]), best, best_at, top, top_at,
-                FAST_LOG)
-    out = row * chunks + chunk
-    best_max = tl.max(best, axis=0)
-    tl.store(best_ptr + out, best_max)
+    if temperature > 0:
+        inverse_temperature = 1.0 / temperature
+        counters = (row.to(tl.int64) << 32) + lanes  # [BLOCK]: the row in the high word
+        for start in tl.range(chunk * CHUNK, chunk * CHUNK + CHUNK, 4 * BLOCK):
+            bits = tl.randint4x(seed, counters + start // 4)  # four [BLOCK] int32 blocks
+            for part in tl.static_range(4):
+                columns = start + part * BLOCK + lanes
+                uniform = tl.random.uint_to_uniform_float(bits[part])
+                score = (_load_logits(row_ptr, columns, vocab) * inverse_temperature
+                         - _log(-_log(uniform, FAST_LOG), FAST_LOG))
+                best, best_at = _keep_larger(score, columns, best, best_at)
+    else:
+        for start in tl.range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+            columns = start + lanes
+            best, best_at = _keep_larger(_load_logits(row_ptr, columns, vocab), columns, best,
+                                         best_at)
+    out = row * tl.num_programs(1) + chunk
+    tl.store(best_ptr + out, tl.max(best, axis=0))
     tl.store(best_at_ptr + out, _first_maximum(best, best_at, vocab))
-    tl.store(top_ptr + out, tl.max(top, axis=0))
-    tl.store(top_at_ptr + out, _first_maximum(top, top_at, vocab))
 
 
 @triton.jit
-def _race_final_kernel(temperature_ptr, best_ptr, best_at_ptr, top_ptr, top_at_ptr, out_ptr,
-                       vocab, chunks, CHUNKS: tl.constexpr):
-    """Program ``row``: the first maximum over the row's chunks (the race's where the
-    temperature is above 0, else the greedy one) -> ``out[row]``."""
+def _row_maximum_kernel(best_ptr, best_at_ptr, out_ptr, vocab, chunks, CHUNKS: tl.constexpr):
+    """Program ``row``: the first maximum over the row's chunks -> ``out[row]``."""
     row = tl.program_id(0)
     offsets = row * chunks + tl.arange(0, CHUNKS)
     mask = tl.arange(0, CHUNKS) < chunks
-    if tl.load(temperature_ptr + row) > 0:
-        values = tl.load(best_ptr + offsets, mask=mask, other=float("-inf"))
-        columns = tl.load(best_at_ptr + offsets, mask=mask, other=vocab)
-    else:
-        values = tl.load(top_ptr + offsets, mask=mask, other=float("-inf"))
-        columns = tl.load(top_at_ptr + offsets, mask=mask, other=vocab)
+    values = tl.load(best_ptr + offsets, mask=mask, other=float("-inf"))
+    columns = tl.load(best_at_ptr + offsets, mask=mask, other=vocab)
     tl.store(out_ptr + row, _first_maximum(values, columns, vocab).to(tl.int64))
 
 
@@ -144,13 +137,12 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seed: int) ->
     block = min(MAX_BLOCK, triton.next_power_of_2(-(-vocab // 4)))
     chunk = 4 * block * STEPS_PER_PROGRAM
     chunks = triton.cdiv(vocab, chunk)
-    temperature = temperature.contiguous()
-    best, top = (logits.new_empty(rows, chunks, dtype=torch.float32) for _ in range(2))
-    best_at, top_at = (logits.new_empty(rows, chunks, dtype=torch.int32) for _ in range(2))
-    _race_chunk_kernel[(rows, chunks)](
-        logits, temperature, best, best_at, top, top_at, seed % SEED_TOP_BIT | SEED_TOP_BIT,
+    best = logits.new_empty(rows, chunks, dtype=torch.float32)
+    best_at = logits.new_empty(rows, chunks, dtype=torch.int32)
+    _chunk_maximum_kernel[(rows, chunks)](
+        logits, temperature.contiguous(), best, best_at, seed % SEED_TOP_BIT | SEED_TOP_BIT,
         vocab, logits.stride(0), CHUNK=chunk, BLOCK=block, FAST_LOG=logits.is_cuda,
         num_warps=NUM_WARPS)
-    _race_final_kernel[(rows,)](temperature, best, best_at, top, top_at, out, vocab, chunks,
-                                CHUNKS=triton.next_power_of_2(chunks), num_warps=1)
+    _row_maximum_kernel[(rows,)](best, best_at, out, vocab, chunks,
+                                 CHUNKS=triton.next_power_of_2(chunks), num_warps=1)
     return out
