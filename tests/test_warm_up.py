@@ -110,8 +110,14 @@ def test_warm_up_runs_full_prefill_then_ladder_and_leaves_nothing_behind(qwen3_d
     llm = LLM(qwen3_dir, **engine_options)
     engine = llm.engine
     launched = record_launches(engine, monkeypatch)
+    draws = []
+    monkeypatch.setattr(engine.runner, "sample_tokens",
+                        lambda logits, temperature, seed: draws.append((logits, temperature)))
     engine.warm_up()
     assert launched[0][::2] == (True, 512), "the first warm-up step should be a full prefill"
+    (logits, temperature), = draws  # one temperature draw, in the model's dtype
+    assert logits.shape == (1, engine.vocab_size) and logits.dtype == engine.config.dtype
+    assert temperature.tolist() == [1.0]
     assert any(not is_prefill for is_prefill, _, _ in launched), "and a decode step should run"
     prefills = [(n, seqs) for is_prefill, seqs, n in launched if is_prefill]
     assert [n for n, _ in prefills] == [512, 1, 17, 16, 32, 47, 64, 95, 128, 191, 256, 383,

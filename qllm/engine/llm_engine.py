@@ -124,7 +124,8 @@ class LLMEngine:
         """Serve dummy prompts that fill one prefill step (``max_num_batched_tokens`` tokens,
         up to ``max_num_seqs`` prompts) and decode, then prefill steps of the sizes
         ``warm_up_prefill_sizes`` lists, then one step of as many one-token prompts as fit,
-        then forget their cached prefixes. Kernels compile and tune here, at start-up, rather
+        then forget their cached prefixes; then one temperature draw (the dummy prompts are
+        greedy). Kernels compile and tune here, at start-up, rather
         than inside the first requests of each kind: the full prefill's shapes; the token
         counts that select tile configs and kernels (see ``warm_up_prefill_sizes``); and the
         launch configs that follow the number of sequences in a step (the GDN recurrence's
@@ -141,6 +142,7 @@ class LLMEngine:
             self._serve_dummy([longest] * full + ([rest] if rest else []))
         many = min(config.max_num_seqs, config.max_num_batched_tokens)
         self._serve_dummy([1] * many)
+        self.runner.warm_up_sampling()
         self.scheduler.num_preemptions = 0
         logger.info("warm-up: %d prompts of %d tokens, then prefill steps of %s tokens, then "
                     "%d one-token prompts, in %.1f s", count, length, ladder, many,

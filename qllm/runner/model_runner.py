@@ -448,6 +448,12 @@ class ModelRunner:
         return SampledStep(scheduled, sampled_seqs, device_tokens, host_tokens, copied, width,
                            spans)
 
+    def warm_up_sampling(self) -> None:
+        """One temperature draw through ``sample_tokens`` from dummy logits in the model's
+        dtype, so that its kernels compile at start-up, not in the first sampled request."""
+        logits = torch.zeros(1, self.vocab_size, dtype=self.config.dtype, device=self.device)
+        self.sample_tokens(logits, torch.ones(1, device=self.device), 0)
+
     # ----------------------------------------------------------------- compiled decode
     def _compile(self) -> None:
         """Compile each decoder layer (one compiled graph shared by all layers of a kind,
