@@ -5,7 +5,8 @@ the tokens whatever the columns' split over programs, and other seeds draw other
 
 - CUDA (skipped without a GPU): those checks at Qwen3's 151,936 logits per row in bf16, and the
   engine's sampled steps on the kernel.
-- CPU: the plugin's registration and the launcher's input checks; under the Triton interpreter
+- CPU: the plugin's registration, the launcher's input checks, both kernels compiled for sm_90
+  as launched on CUDA (approximate log; no spills); under the Triton interpreter
   (``test_triton_interpreter`` reruns the ``interpreted`` tests in a subprocess with
   ``TRITON_INTERPRET=1``), the checks at small vocabularies.
 """
@@ -129,3 +130,24 @@ def test_draws_follow_the_softmax(temperature):
 @cuda
 def test_seeds(monkeypatch):
     check_seeds("cuda", 151_936, monkeypatch)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_kernels_compile_for_sm90_as_launched_on_cuda():
+    """Both kernels as the launcher calls them at W1's shape, with CUDA's approximate log,
+    compile for Hopper here (no GPU needed), spilling nothing."""
+    from qllm.testing.sm90 import (captured_launches, compile_for_sm90, on_meta,
+                                   resource_usage, sm90_compiler_missing)
+
+    if sm90_compiler_missing():
+        pytest.skip(sm90_compiler_missing())
+    logits, temperature = on_meta(torch.empty(256, 151_936, dtype=torch.bfloat16),
+                                  torch.empty(256))
+    launches = captured_launches(lambda: launch()(logits, temperature, seed=3))
+    assert [kernel.fn.__name__ for kernel, _, _ in launches] == ["_chunk_maximum_kernel",
+                                                                 "_row_maximum_kernel"]
+    for kernel, args, options in launches:
+        if "FAST_LOG" in args:
+            args = {**args, "FAST_LOG": True}  # the launcher's value on CUDA tensors
+        usage = resource_usage(compile_for_sm90(kernel, args, options))
+        assert usage["spill_bytes"] == 0, usage
