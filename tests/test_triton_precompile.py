@@ -31,6 +31,8 @@ def test_on_unless_switched_off_and_every_op_on_a_plugin_kernel(monkeypatch, cap
     # the fused_moe reference would count the experts' slots from unwritten router ids
     assert not compile_ahead_enabled({**PLUGIN_KERNELS, "fused_moe": "torch"})
     assert "ops on their plain-torch references: fused_moe" in caplog.text
+    # the draws' reference reads only the logits on the device
+    assert compile_ahead_enabled({**PLUGIN_KERNELS, "sample_tokens": "torch"})
     monkeypatch.setenv(SWITCH_ENV, "yes")
     with pytest.raises(ValueError, match=SWITCH_ENV):
         compile_ahead_enabled(PLUGIN_KERNELS)

@@ -39,6 +39,9 @@ from qllm.runner.parallel_autotune import tuning_key, untuned
 from qllm.switches import env_switch
 
 SWITCH_ENV = "QLLM_COMPILE_AHEAD"  # "0": capture and warm-up compile as they go, one by one
+# Ops whose plain-torch reference reads no device value on the host, so they may run in the
+# block: the token draws read only the logits (a token drawn from unwritten ones is still an id)
+HOST_FREE_REFERENCES = frozenset({"sample_tokens"})
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +51,11 @@ def compile_ahead_enabled(kernel_names: dict[str, str]) -> bool:
     given which kernel serves each op (``kernel_names``):
     never while an op runs its plain-torch reference, which may read, as indices on the host,
     the unwritten output of a Triton kernel the pass did not run (the ``fused_moe`` reference
-    counts each expert's slots from the router's ids)."""
+    counts each expert's slots from the router's ids), but for ``HOST_FREE_REFERENCES``."""
     if not env_switch(SWITCH_ENV):
         return False
-    references = sorted(op for op, name in kernel_names.items() if name == "torch")
+    references = sorted(op for op, name in kernel_names.items()
+                        if name == "torch" and op not in HOST_FREE_REFERENCES)
     if references:
         logger.info("not compiling ahead: ops on their plain-torch references: %s",
                     ", ".join(references))
