@@ -7,7 +7,9 @@ in as many steps as it takes: for one short prompt, its time to first token). Th
 (a) times ``--steps`` units as the engine runs them (CUDA graphs where captured),
 (b) profiles the next ``--steps``: GPU busy time per unit and the idle gaps between kernels
 (a unit whose wall time is far above its GPU busy time is bound by the host's launches),
-(c) sums kernel time by op kind (GDN, attention, MoE, GEMM, sampling, other) per unit.
+(c) sums kernel time by op kind (GDN, attention, MoE, GEMM, sampling, other) per unit, and
+the elapsed time each kind adds to the unit's span (``elapsed_by_kind``: it adds up where
+kernel times overlap, as under programmatic dependent launch).
 Writes a Chrome trace, the top-kernel table and the kernel sequence of the last profiled
 step (duration, idle gap before it, op kind, name: one layer's kernels read top to bottom)
 under ``--out``. ``throughput.py --profile-decode`` runs the same profile on the engine of a
@@ -122,6 +124,22 @@ def busy_and_gaps(intervals) -> tuple[float, float, int]:
     return busy, idle, gaps
 
 
+def elapsed_by_kind(intervals) -> dict[str, float]:
+    """Each kernel charged with how far it moves the stream's end (us): from the latest end
+    of the kernels before it (or its own start, after an idle gap, which it is charged too) to
+    its end, nothing where it ends inside them. Unlike kernel durations, which overlap under
+    programmatic dependent launch (a kernel waiting for the one before counts the wait), the
+    charges add up to the profiled span: what each op kind costs the step's wall time."""
+    charged: dict[str, float] = {}
+    frontier = None
+    for start, end, name in intervals:
+        advance = end - (start if frontier is None else frontier)
+        if advance > 0:
+            charged[op_kind(name)] = charged.get(op_kind(name), 0.0) + advance
+            frontier = end
+    return charged
+
+
 def write_sequence(path: str, intervals, kernels_per_step: int) -> None:
     """The last ``kernels_per_step`` kernels, one line each: ``duration_us gap_us kind name``."""
     last = intervals[len(intervals) - kernels_per_step:]  # not [-0:], the whole list
@@ -141,7 +159,8 @@ def profile_steps(engine, tag: str, steps: int, out: str, unit=None) -> dict:
     return the figures per unit (``step_ms``, kernels, GPU busy and idle, kernel time per op
     kind, and ``pdl``: whether the unit's kernels launch with programmatic dependent launch, in
     which case each kernel's time includes its wait for the one before, so the per-kernel and
-    per-kind times overstate; ``QLLM_PDL=0`` gives them without)."""
+    per-kind times overstate; ``QLLM_PDL=0`` gives them without; the elapsed time per op kind,
+    ``elapsed_by_kind``, adds up to the span either way)."""
 
     unit = unit or (lambda: decode_unit(engine))
     torch.cuda.synchronize()
@@ -169,6 +188,7 @@ def profile_steps(engine, tag: str, steps: int, out: str, unit=None) -> dict:
     for start_us, end_us, name in intervals:
         kind = op_kind(name)
         by_kind[kind] = by_kind.get(kind, 0.0) + (end_us - start_us)
+    elapsed = elapsed_by_kind(intervals)
     return {
         "graphs": engine.runner.graphs is not None, "tokens_per_step": tokens_per_step,
         "step_ms": round(step_ms, 3), "tok_per_s": round(tokens_per_step / step_ms * 1e3, 1),
@@ -178,7 +198,9 @@ def profile_steps(engine, tag: str, steps: int, out: str, unit=None) -> dict:
         "gaps_over_5us_per_step": gaps // steps,
         "pdl": use_pdl(engine.device, round(tokens_per_step)),
         "kernel_ms_per_step_by_kind": {k: round(v / steps / 1e3, 3)
-                                       for k, v in sorted(by_kind.items())}}
+                                       for k, v in sorted(by_kind.items())},
+        "elapsed_ms_per_step_by_kind": {k: round(v / steps / 1e3, 3)
+                                        for k, v in sorted(elapsed.items())}}
 
 
 def main() -> None:
