@@ -30,8 +30,8 @@ from qllm_kernels_linear.triton_skinny import SkinnyConfig, default_config, skin
 DTYPE = torch.bfloat16
 REP_MS = 25
 MODELS = {"qwen3-0.6b": QWEN3_0_6B_SHAPES, "qwen3.5-35b-a3b": QWEN3_5_35B_A3B_SHAPES}
-GRID = dict(BLOCK_N=(16, 32, 64, 128), BLOCK_K=(64, 128, 256), num_warps=(4,),
-            num_stages=(3, 4, 5))
+GRID = dict(BLOCK_N=(16, 32, 64), BLOCK_K=(64, 128, 256), num_warps=(4,),
+            num_stages=(3, 5), SPLIT_K=(1, 2, 4))
 
 
 def bench(model: str, name: str, rows: int) -> dict:

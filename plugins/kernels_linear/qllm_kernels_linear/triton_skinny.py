@@ -9,7 +9,10 @@ columns per step through ``num_stages`` pipelined loads (``evict_first``: nothin
 again in the step), as the A operand of a tensor-core dot whose B is ``x^T`` (all ``M`` rows,
 padded to ``BLOCK_M >= 16``, the dot's smallest); the weight rows are the MMA's M, so ``M``
 rows cost one MMA column block. Products accumulate in fp32; the bias is added in fp32 and the
-output rounded once to ``x.dtype``, as ``F.linear`` does. Rows past ``M`` load row ``M - 1``
+output rounded once to ``x.dtype``, as ``F.linear`` does. Where the weight has too few row
+blocks to fill the GPU (1,024 output features), ``SPLIT_K`` programs share each block's K,
+writing fp32 partial sums that a second launch adds (with the bias) and rounds once. Rows past
+``M`` load row ``M - 1``
 and are not stored; weight rows past ``N`` likewise. The launch depends on shapes only (no
 host sync): it runs inside CUDA graphs.
 """
@@ -31,12 +34,14 @@ MIN_PROGRAMS = 128  # about one program per SM (132 on the H100 and H200)
 @dataclass(frozen=True)
 class SkinnyConfig:
     """Launch parameters: ``BLOCK_N`` weight rows per program, ``BLOCK_K`` columns per loop
-    step, warps, and pipelined loop stages."""
+    step, warps, pipelined loop stages, and ``SPLIT_K`` programs sharing each row block's K
+    (above 1, their fp32 partial sums are added by a second launch)."""
 
     BLOCK_N: int
     BLOCK_K: int
     num_warps: int
     num_stages: int
+    SPLIT_K: int = 1
 
 
 def block_m(m: int) -> int:
@@ -46,25 +51,34 @@ def block_m(m: int) -> int:
 
 def default_config(m: int, n: int, k: int) -> SkinnyConfig:
     """The rule: the largest ``BLOCK_N`` of 64, 32, 16 that still gives ``MIN_PROGRAMS``
-    programs (16 where none does), 128 columns per step over 4 stages on 4 warps."""
+    programs, else 16 rows with K split over enough programs to reach it (at most 4 ways);
+    128 columns per step over 4 stages on 4 warps."""
+    block_k = min(128, max(MIN_DOT, triton.next_power_of_2(k)))
     block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= MIN_PROGRAMS), MIN_DOT)
-    return SkinnyConfig(block_n, min(128, max(MIN_DOT, triton.next_power_of_2(k))), 4, 4)
+    split = 1
+    while (split < 4 and triton.cdiv(n, block_n) * split < MIN_PROGRAMS
+           and triton.cdiv(k, block_k) >= 2 * split * 2):
+        split *= 2
+    return SkinnyConfig(block_n, block_k, 4, 4, split)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
-                        stride_om, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program ``n``: ``out[:, n * BLOCK_N ...]`` over all of K."""
+                        stride_om, stride_split, k_per_split, HAS_BIAS: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``(n, s)``: ``out[:, n * BLOCK_N ...]`` over K columns ``[s * k_per_split,
+    (s + 1) * k_per_split)`` (a multiple of ``BLOCK_K``), written at ``out_ptr + s *
+    stride_split`` (fp32 partial sums when K is split)."""
     rows_w = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)         # [BN] weight rows
     rows_x = tl.arange(0, BLOCK_M)                                      # [BM] input rows
-    ks = tl.arange(0, BLOCK_K)                                          # [BK]
+    k_start = tl.program_id(1) * k_per_split
+    ks = k_start + tl.arange(0, BLOCK_K)                                # [BK]
     w_ptrs = (w_ptr + tl.minimum(rows_w, N - 1)[:, None].to(tl.int64) * stride_wn
               + ks[None, :])                                            # [BN, BK]
     x_ptrs = x_ptr + tl.minimum(rows_x, M - 1)[None, :] * stride_xm + ks[:, None]  # [BK, BM]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                # out^T tile
-    for k in range(0, K, BLOCK_K):
-        in_k = ks < K - k
+    for k in range(k_start, tl.minimum(K, k_start + k_per_split), BLOCK_K):
+        in_k = ks < K - (k - k_start)
         w = tl.load(w_ptrs, mask=in_k[None, :], other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptrs, mask=in_k[:, None], other=0.0, eviction_policy="evict_last")
         acc = tl.dot(w, x, acc)                                         # [BN, BM]
@@ -73,8 +87,27 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, str
     w_on, x_on = rows_w < N, rows_x < M
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows_w, mask=w_on, other=0.0).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + rows_x[None, :] * stride_om + rows_w[:, None]
+    out_ptrs = (out_ptr + tl.program_id(1) * stride_split + rows_x[None, :] * stride_om
+                + rows_w[:, None])
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=w_on[:, None] & x_on[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``p``: elements ``p * BLOCK ...`` of ``out [M, N]`` (contiguous), the sum of
+    the ``SPLIT_K`` fp32 partial sums ``[SPLIT_K, M, N]`` plus the bias, rounded once."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    on = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + split * MN + offs, mask=on, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=on, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=on)
+
+
+SUM_BLOCK = 1024  # output elements per program of the split-K sum
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -94,9 +127,18 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"skinny_gemm: bias of shape {tuple(bias.shape)} for {n} outputs")
     config = config or default_config(m, n, k)
+    split = config.SPLIT_K
     out = x.new_empty(m, n)
-    _skinny_gemm_kernel[(triton.cdiv(n, config.BLOCK_N),)](
-        x, weight, bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=config.BLOCK_N, BLOCK_M=block_m(m),
-        BLOCK_K=config.BLOCK_K, num_warps=config.num_warps, num_stages=config.num_stages)
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32,
+                                                device=x.device)  # [S, M, N] partial sums
+    steps = triton.cdiv(k, config.BLOCK_K)
+    _skinny_gemm_kernel[(triton.cdiv(n, config.BLOCK_N), split)](
+        x, weight, bias, target, m, n, k, x.stride(0), weight.stride(0), n, m * n,
+        triton.cdiv(steps, split) * config.BLOCK_K, HAS_BIAS=bias is not None and split == 1,
+        BLOCK_N=config.BLOCK_N, BLOCK_M=block_m(m), BLOCK_K=config.BLOCK_K,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    if split > 1:
+        _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
+            target, bias, out, m * n, n, SPLIT_K=split, HAS_BIAS=bias is not None,
+            BLOCK=SUM_BLOCK)
     return out

@@ -5,7 +5,8 @@ against ``F.linear`` in fp32 on the same rounded inputs.
   ``QLLM_SKINNY_GEMM`` switch), the rule's configs, the launcher's input checks, the kernel
   compiled for sm_90 at W1's shapes (no spill); under the Triton interpreter (fp32 and fp16:
   the interpreter's bf16 dot is wrong on the CPU, bf16 is checked on CUDA), parity at tiny
-  shapes with partial row, column and K tiles, through the op and with forced configs.
+  shapes with partial row, column and K tiles, K split or not, through the op and with forced
+  configs.
 - CUDA: bf16 and fp16 parity at Qwen3-0.6B's and Qwen3.5-35B-A3B's projection shapes for 5 to
   64 rows, with and without bias, in a CUDA-graph replay too.
 """
@@ -61,11 +62,13 @@ def test_which_calls_take_it(monkeypatch):
 def test_rule():
     """64 weight rows per program where that still fills about one program per SM, fewer for
     small N, never under the dot's 16; input rows padded to a power of two from 16."""
-    from qllm_kernels_linear.triton_skinny import block_m, default_config
+    from qllm_kernels_linear.triton_skinny import SkinnyConfig, block_m, default_config
 
     assert default_config(16, 151936, 1024).BLOCK_N == 64
     assert default_config(16, 6144, 1024).BLOCK_N == 32
-    assert default_config(16, 1024, 3072).BLOCK_N == 16
+    assert default_config(16, 6144, 1024).SPLIT_K == 1
+    assert default_config(16, 1024, 3072) == SkinnyConfig(16, 128, 4, 4, SPLIT_K=2)
+    assert default_config(8, 24, 40).SPLIT_K == 1  # too few K steps to split
     assert default_config(8, 24, 40).BLOCK_K == 64
     assert [block_m(m) for m in (5, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
 
@@ -89,7 +92,8 @@ def test_input_checks():
 @pytest.mark.parametrize("rows", [8, 64])
 @pytest.mark.parametrize("name", QWEN3_0_6B_SHAPES)
 def test_sm90_no_spill(name, rows):
-    """Compiled for sm_90 at the rule's config as the op launches it: no spill."""
+    """Compiled for sm_90 at the rule's config as the op launches it (with the split-K sum
+    where the rule splits): no spill."""
     from qllm.testing.sm90 import (captured_launches, compile_for_sm90, on_meta,
                                    resource_usage, sm90_compiler_missing)
     from qllm_kernels_linear.triton_skinny import skinny_gemm
@@ -99,8 +103,8 @@ def test_sm90_no_spill(name, rows):
         pytest.skip(missing)
     x, weight, _ = on_meta(*linear_inputs(rows, *QWEN3_0_6B_SHAPES[name], torch.bfloat16,
                                           "cpu", bias=True))
-    (launch,) = captured_launches(lambda: skinny_gemm(x, weight))
-    assert resource_usage(compile_for_sm90(*launch))["spill_bytes"] == 0
+    for launch in captured_launches(lambda: skinny_gemm(x, weight)):  # split K: and the sum
+        assert resource_usage(compile_for_sm90(*launch))["spill_bytes"] == 0
 
 
 test_triton_interpreter = interpreter_driver(__file__)
@@ -119,6 +123,7 @@ def test_interpreted_parity(shape, rows, dtype, bias):
 
     inputs = linear_inputs(rows, *shape, dtype, bias=bias)
     check(inputs, SkinnyConfig(16, 16, 1, 1))  # partial row and K tiles, several K steps
+    check(inputs, SkinnyConfig(16, 16, 1, 1, SPLIT_K=3))  # K split, the last share short
     out = skinny_gemm(*inputs)  # the rule's
     assert torch.equal(out, skinny_gemm(*inputs, config=None))
     if dtype == torch.float16:  # the op routes half precision here
