@@ -28,7 +28,7 @@ from qllm_kernels_linear.testing import (QWEN3_0_6B_SHAPES, QWEN3_5_35B_A3B_SHAP
 from qllm_kernels_linear.triton_skinny import SkinnyConfig, default_config, skinny_gemm
 
 DTYPE = torch.bfloat16
-REP_MS = 25
+REP_MS = 15
 MODELS = {"qwen3-0.6b": QWEN3_0_6B_SHAPES, "qwen3.5-35b-a3b": QWEN3_5_35B_A3B_SHAPES}
 GRID = dict(BLOCK_N=(16, 32, 64), BLOCK_K=(64, 128, 256), num_warps=(4,),
             num_stages=(3, 5), SPLIT_K=(1, 2, 4))
