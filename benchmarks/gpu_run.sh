@@ -53,9 +53,6 @@
 #   on the same engine (W1 batch 256 x 1,100, W2 200 x 2,000, W3 1 x 512; files in $OUT);
 #   w3-cublas: W3 with the projections on cuBLAS (the linear op pinned to torch), the GEMV's
 #   baseline; w3-autotune: the same with Inductor's GEMM autotuning in the decode layers;
-#   w1-skinny-off: W1 with the projections of 5 to 64 rows on cuBLAS (QLLM_SKINNY_GEMM=0),
-#   the few-row GEMM's baseline; bench-skinny: that GEMM's config sweep against cuBLAS at 8 to
-#   64 rows (bench_skinny.py; SKINNY_MODELS picks the models); skinny-tests: its tests;
 #   w1-sampling-torch: W1 with its draws on the plain-torch sample_tokens (the kernel's baseline);
 #   sampling-tests: the sampling kernel's tests (CUDA ones included);
 #   w1-peer, w2-peer, w3-peer:
@@ -234,13 +231,6 @@ for stage in "$@"; do
                                         --rows 16 64 512 --parts dense ;;
         w1) run w1 300 python3 benchmarks/throughput.py --workload w1 \
                 --profile-decode 256 1100 --profile-out "$out" ;;
-        w1-skinny-off) QLLM_SKINNY_GEMM=0 run w1_skinny_off 300 python3 \
-                           benchmarks/throughput.py --workload w1 ;;
-        bench-skinny) TAIL=${TAIL:-24} run bench_skinny 300 python3 \
-                          plugins/kernels_linear/benchmarks/bench_skinny.py \
-                          --models ${SKINNY_MODELS:-qwen3-0.6b qwen3.5-35b-a3b} ;;
-        skinny-tests) run skinny_tests 300 python3 -m pytest $PYTEST_GPU \
-                          plugins/kernels_linear/tests/test_skinny.py ;;
         w1-sampling-torch) run w1_sampling_torch 300 python3 benchmarks/throughput.py \
                                --workload w1 --kernel sample_tokens=torch ;;
         sampling-tests) run sampling_tests 200 python3 -m pytest $PYTEST_GPU \

@@ -42,9 +42,6 @@ from dataclasses import dataclass
 # on CUDA cores and the accumulator grows with the rows (``BLOCK_M``), while tensor-core GEMMs
 # (cuBLAS) compute the extra rows at no cost.
 MAX_GEMV_ROWS = 4
-# From MAX_GEMV_ROWS + 1 up to this many rows the few-row tensor-core GEMM (triton_skinny)
-# serves the op: still bound by the weight read, which cuBLAS ran far from (its module docstring).
-MAX_SKINNY_ROWS = 64
 # Above one row the GEMV is taken only while rows x weight elements stay within this bound.
 # Measured on the H200 with the rule's configs (bench_linear.py, 2026-11-30, us GEMV / cuBLAS):
 # 1 row: on par or better on every shape ([2048, 4096] 7.4 / 10.2 and [264, 2048] 2.6 / 5.3 in

@@ -5,8 +5,7 @@
 A custom op is opaque to ``torch.compile``: its fake implementation gives the output's shape,
 so a ``fullgraph=True`` decode graph (with a symbolic batch size) stays whole and calls the op
 as one node. Inside the op the row count is concrete: one row (decode at batch 1), or up to
-``MAX_GEMV_ROWS`` through a small weight, runs the GEMV (``configs.serves``, measured); 5 to
-``MAX_SKINNY_ROWS`` rows (small decode batches) the few-row GEMM (``triton_skinny``); other
+``MAX_GEMV_ROWS`` through a small weight, runs the GEMV (``configs.serves``, measured); other
 calls ``F.linear`` (cuBLAS's tensor-core GEMMs). The op and its fake exist without Triton; the
 kernels are imported on the first call that needs them.
 """
@@ -16,12 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qllm.switches import env_switch
-from qllm_kernels_linear.configs import MAX_GEMV_ROWS, MAX_SKINNY_ROWS, serves
-
-# The few-row GEMM (triton_skinny) for 5 to MAX_SKINNY_ROWS rows; QLLM_SKINNY_GEMM=0 in the
-# environment (read at import) hands those calls to F.linear, to measure one against the other.
-SKINNY = env_switch("QLLM_SKINNY_GEMM")
+from qllm_kernels_linear.configs import serves
 
 
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -33,34 +27,18 @@ def takes_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
             and x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype))
 
 
-def takes_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the op runs the few-row GEMM (``triton_skinny``): ``QLLM_SKINNY_GEMM`` on, more
-    rows than the GEMV serves and at most ``MAX_SKINNY_ROWS``, contiguous weight rows, one
-    half-precision dtype for all inputs."""
-    return (SKINNY and x.dim() >= 1 and weight.dim() == 2 and weight.stride(1) == 1
-            and MAX_GEMV_ROWS < x.shape[:-1].numel() <= MAX_SKINNY_ROWS
-            and x.dtype in (torch.float16, torch.bfloat16) and x.dtype == weight.dtype
-            and (bias is None or bias.dtype == x.dtype))
-
-
 @torch.library.custom_op("qllm_linear::linear", mutates_args=())
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [..., K]``, ``weight [N, K]``, ``bias [N]`` or ``None`` -> ``x @ weight.T + bias``,
     ``[..., N]`` in ``x.dtype``: the contract of qllm's ``linear`` op (plain-torch reference in
-    ``qllm.ops.linear``). The GEMV and the few-row GEMM need CUDA tensors (or CPU ones under
+    ``qllm.ops.linear``). The GEMV needs CUDA tensors (or CPU ones under
     ``TRITON_INTERPRET=1``)."""
-    rows = x.reshape(-1, x.shape[-1])  # [M, K]
-    if takes_gemv(x, weight, bias):
-        from qllm_kernels_linear.triton_gemv import gemv
-
-        out = gemv(rows, weight, bias)
-    elif takes_skinny(x, weight, bias):
-        from qllm_kernels_linear.triton_skinny import skinny_gemm
-
-        out = skinny_gemm(rows if rows.stride(1) == 1 else rows.contiguous(), weight, bias)
-    else:
+    if not takes_gemv(x, weight, bias):
         return F.linear(x, weight, bias)
-    return out.view(*x.shape[:-1], weight.shape[0])  # out: [M, N]
+    from qllm_kernels_linear.triton_gemv import gemv
+
+    out = gemv(x.reshape(-1, x.shape[-1]), weight, bias)  # [M, N]
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 @linear.register_fake

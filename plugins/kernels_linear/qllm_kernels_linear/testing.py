@@ -15,13 +15,6 @@ QWEN3_5_35B_A3B_SHAPES = {
     "gdn_in_proj": (12352, 2048),  # q, k, v, z, b, a of a GDN layer
     "qkv_proj": (9216, 2048),     # gated attention q (with gate), k, v
 }
-QWEN3_0_6B_SHAPES = {  # W1's model, [N, K]
-    "qkv_proj": (4096, 1024),     # q (16 heads x 128), k and v (8 heads each)
-    "o_proj": (1024, 2048),
-    "gate_up_proj": (6144, 1024),
-    "down_proj": (1024, 3072),
-    "lm_head": (151936, 1024),
-}
 
 
 class LinearInputs(NamedTuple):
