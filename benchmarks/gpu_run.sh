@@ -87,6 +87,8 @@
 #   checkpoint saved in a 608-token round through fla);
 #   int8-tests: that plugin's kernel, accuracy and weight-format tests; config-tests: the Qwen3.5 config variants (a shared
 #   expert of another size) on CUDA; profile-w1/w2/w3,
+#   profile-w1-small: W1's decode step at 16 and 64 sequences of 1,500 tokens (the run's
+#   tail; profile_step.py, files in $OUT/w1-b16, -b64);
 #   profile-w1-prefill, profile-w2-prefill: profile_step.py;
 #   profile-w3-prefill: W3's 512-token prompt from admission to its first token, through
 #   the prefill graph and then eagerly (profile_step.py --phase prefill);
@@ -328,6 +330,11 @@ for stage in "$@"; do
                                 --out "$out/eager" ;;
         profile-w1) run profile_w1 150 python3 benchmarks/profile_step.py --workload w1 \
                         --batch 256 --context 1100 --out "$out" ;;
+        profile-w1-small) for batch in 16 64; do  # the tail of W1's run: few sequences
+                              run profile_w1_b$batch 150 python3 benchmarks/profile_step.py \
+                                  --workload w1 --batch $batch --context 1500 \
+                                  --out "$out/w1-b$batch"
+                          done ;;
         profile-w1-prefill) run profile_w1_prefill 150 python3 benchmarks/profile_step.py \
                                 --workload w1 --batch 128 --context 1024 --phase prefill \
                                 --steps 4 --out "$out" ;;
