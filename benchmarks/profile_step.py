@@ -126,16 +126,18 @@ def busy_and_gaps(intervals) -> tuple[float, float, int]:
 
 def elapsed_by_kind(intervals) -> dict[str, float]:
     """Each kernel charged with how far it moves the stream's end (us): from the latest end
-    of the kernels before it (or its own start, after an idle gap, which it is charged too) to
-    its end, nothing where it ends inside them. Unlike kernel durations, which overlap under
-    programmatic dependent launch (a kernel waiting for the one before counts the wait), the
-    charges add up to the profiled span: what each op kind costs the step's wall time."""
+    of the kernels before it (so an idle gap before it is its charge too; the first kernel:
+    from its own start) to its end, nothing where it ends inside them. Unlike kernel
+    durations, which overlap under programmatic dependent launch (a kernel waiting for the one
+    before counts the wait), the charges add up to the profiled span: what each op kind costs
+    the step's wall time."""
     charged: dict[str, float] = {}
     frontier = None
     for start, end, name in intervals:
         advance = end - (start if frontier is None else frontier)
         if advance > 0:
-            charged[op_kind(name)] = charged.get(op_kind(name), 0.0) + advance
+            kind = op_kind(name)
+            charged[kind] = charged.get(kind, 0.0) + advance
             frontier = end
     return charged
 
