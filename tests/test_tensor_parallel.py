@@ -188,6 +188,57 @@ def test_spawned_workers_then_a_killed_rank_is_a_clear_error(checkpoints, refere
         llm.engine.executor.close()
 
 
+class _PendingSend:
+    """A gloo send whose wait runs out each slice (``pending`` times, then finishes)."""
+
+    def __init__(self, pending: int | None):
+        self.pending = pending
+        self.waits = 0
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        if self.pending is None or self.waits <= self.pending:
+            raise RuntimeError("Operation timed out!")
+        return True
+
+    def is_completed(self) -> bool:
+        return False
+
+
+class _Worker:
+    """A spawned worker's process, as the executor sees it."""
+
+    def __init__(self, exitcode: int | None):
+        self.exitcode = exitcode
+
+    def join(self, timeout=None):
+        pass
+
+    kill = join
+
+
+@pytest.mark.parametrize("exitcode", [None, -9])
+def test_a_send_left_pending_by_a_dead_worker_raises_naming_it(exitcode):
+    """gloo can leave a send to a peer that died pending until the group's timeout: rank 0
+    waits in slices, and between them looks at its workers (an alive one: it waits on)."""
+    from qllm.engine.tensor_parallel.executor import TensorParallelExecutor
+
+    executor = TensorParallelExecutor(2, None, [_Worker(exitcode)])
+    try:
+        if exitcode is None:
+            send = _PendingSend(pending=3)
+            executor._wait(send)
+            assert send.waits == 4
+        else:
+            send = _PendingSend(pending=None)
+            with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited: exit code -9"):
+                executor._wait(send)
+            assert send.waits == 1
+    finally:
+        executor.failure = executor.failure or "test over"  # nothing to tell fake workers
+        executor.close()
+
+
 @pytest.mark.parametrize("family,size,name", [
     ("qwen3", 3, "num_attention_heads"),
     ("qwen3_5_gdn2", 4, "linear_num_key_heads"),

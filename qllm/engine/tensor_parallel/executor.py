@@ -16,6 +16,9 @@ Collectives run on the default group (NCCL on CUDA, gloo on CPU); the per-step m
 over a gloo control group. A worker that dies or raises is reported as
 ``RuntimeError("tensor-parallel rank R exited: ...")``: its process is watched (spawned
 workers), and a collective that fails or a step whose tokens cannot be trusted raises it.
+Rank 0 checks its spawned workers before each message and waits for its sends in slices,
+looking at them between: gloo can leave a send to a peer that died pending until the
+group's timeout rather than fail it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import atexit
 import dataclasses
 import logging
 import os
+import pickle
 import queue
 import shutil
 import tempfile
@@ -40,9 +44,12 @@ from qllm.distributed.parallel_state import TensorParallel, building
 logger = logging.getLogger(__name__)
 
 # collectives of the model and its step (the peers run the same step: only a hung rank
-# makes one wait this long); the control group waits for rank 0's next step, without limit
+# makes one wait this long), and rank 0's messages; the workers wait for rank 0's next
+# message without limit
 DEVICE_TIMEOUT = timedelta(minutes=10)
 CONTROL_TIMEOUT = timedelta(days=3650)
+# how often rank 0, waiting for a send to finish, looks at its spawned workers
+SEND_WAIT_SLICE = timedelta(seconds=0.5)
 # how long a failed collective waits for the watchdog to see which rank exited
 FAILURE_GRACE_SECONDS = 5.0
 JOIN_SECONDS = 10.0
@@ -104,8 +111,9 @@ _GROUPS: WorldGroups | None = None
 def world_groups() -> WorldGroups:
     """This process's ``WorldGroups`` (made on first use: every rank calls this first)."""
     global _GROUPS
-    if _GROUPS is None:
-        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    if _GROUPS is None:  # the timeout is each rank's own: rank 0 only sends and agrees
+        timeout = DEVICE_TIMEOUT if dist.get_rank() == 0 else CONTROL_TIMEOUT
+        control = dist.new_group(backend="gloo", timeout=timeout)
         _GROUPS = WorldGroups(dist.get_rank(), dist.get_world_size(), control)
     return _GROUPS
 
@@ -118,16 +126,27 @@ def release_workers() -> None:
         return
     groups, _GROUPS = _GROUPS, None
     try:
-        dist.broadcast_object_list([("exit", None)], src=0, group=groups.control)
+        send_message(groups.control, ("exit", None))
     except Exception:  # noqa: BLE001 - a dead world: nothing to tell
         logger.debug("could not release the workers", exc_info=True)
 
 
+def send_message(control, message: tuple[str, object], wait=lambda work: work.wait()) -> None:
+    """Rank 0: broadcast ``message`` (pickled: its size, then its bytes) over the control
+    group; ``wait(work)`` waits for each of the two sends."""
+    data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)  # [bytes]
+    size = torch.tensor([data.numel()], dtype=torch.int64)  # [1]
+    for tensor in (size, data):
+        wait(dist.broadcast(tensor, src=0, group=control, async_op=True))
+
+
 def receive(control) -> tuple[str, object]:
-    """A worker's next message from rank 0."""
-    box = [None]
-    dist.broadcast_object_list(box, src=0, group=control)
-    return box[0]
+    """A worker's next message from rank 0 (``send_message``'s)."""
+    size = torch.empty(1, dtype=torch.int64)  # [1]
+    dist.broadcast(size, src=0, group=control)
+    data = torch.empty(int(size), dtype=torch.uint8)  # [bytes]
+    dist.broadcast(data, src=0, group=control)
+    return pickle.loads(data.numpy().tobytes())
 
 
 def share_cpu_threads(size: int) -> None:
@@ -207,7 +226,10 @@ class TensorParallelExecutor:
                 logger.exception("aborting the NCCL group failed")
 
     def check(self) -> None:
-        """Raise the failure of a rank, if one failed."""
+        """Raise the failure of a rank, if one failed (a spawned worker that exited is seen
+        here at once, not only at the watchdog's next look)."""
+        if self.failure is None and self.processes:
+            self.failure = self._dead_worker()
         if self.failure is not None:
             raise RuntimeError(self.failure)
         if self.closed:
@@ -229,12 +251,31 @@ class TensorParallelExecutor:
         """Broadcast one message to the workers (one step: once)."""
         self.check()
         try:
-            dist.broadcast_object_list([message], src=0, group=self.groups.control)
+            send_message(self.groups.control, message, self._wait)
         except Exception as exc:  # noqa: BLE001
             self.fail(exc)
 
+    def _wait(self, work) -> None:
+        """Wait for one of rank 0's sends, raising if a spawned worker exits meanwhile."""
+        while True:
+            try:
+                work.wait(SEND_WAIT_SLICE)
+                return
+            except RuntimeError as exc:
+                if work.is_completed():  # finished (or failed) as the slice ran out
+                    work.wait()
+                    return
+                failure = self._dead_worker()
+                if failure is not None:
+                    raise RuntimeError(failure) from exc
+
     def broadcast_tokens(self, tokens: torch.Tensor) -> None:
-        dist.broadcast(tokens, src=0, group=self.tp.group)
+        """The step's sampled tokens to the workers (over gloo: waited for as a message is;
+        NCCL's broadcast is queued on the stream)."""
+        if tokens.device.type == "cuda":
+            dist.broadcast(tokens, src=0, group=self.tp.group)
+        else:
+            self._wait(dist.broadcast(tokens, src=0, group=self.tp.group, async_op=True))
 
     def agree_units(self, units: dict[str, int]) -> dict[str, int]:
         try:
@@ -251,8 +292,8 @@ class TensorParallelExecutor:
         atexit.unregister(self.close)
         if self.failure is None:
             try:
-                dist.broadcast_object_list([("exit" if self.owns_world else "close", None)],
-                                           src=0, group=self.groups.control)
+                send_message(self.groups.control, ("exit" if self.owns_world else "close", None),
+                             self._wait)
             except Exception:  # noqa: BLE001 - a dead world: nothing to tell
                 logger.debug("could not tell the workers to stop", exc_info=True)
         for process in self.processes:
