@@ -18,9 +18,7 @@ previous kernel to complete and its writes to be visible (``gdc_wait``) before i
 anything an earlier kernel wrote and before it stores anything: ``pdl_enter`` at kernel entry
 does both. The wait must be unconditional in every PDL-launched kernel: a kernel's own wait is
 what orders it after every kernel before its predecessor. Only parameters no kernel of the
-step writes (model weights) may be read before it (the GEMV reads its first weight tile so),
-and, in a kernel whose predecessor waits before it lets the next launch
-(``pdl_wait_then_launch``), the outputs of the kernels before that predecessor.
+step writes (model weights) may be read before it (the GEMV reads its first weight tile so).
 Without ``USE_PDL`` the constexpr prunes it all and a kernel compiles to its code without PDL.
 
 Launchers call ``pdl_arguments(device, rows)`` (or ``use_pdl`` and ``launch_options``): PDL is
@@ -94,15 +92,3 @@ def pdl_enter(USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
-
-
-@triton.jit
-def pdl_wait_then_launch(USE_PDL: tl.constexpr):
-    """With ``USE_PDL``: ``pdl_enter``'s two steps the other way round. The next kernel then
-    launches only once this one's wait has returned, so every kernel before this one has
-    completed when it starts: it may read their outputs before its own wait (the MoE's down
-    projection reads the router's expert ids and its weights so, while the gate-up
-    projection runs). Without ``USE_PDL``, nothing."""
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()

@@ -18,13 +18,9 @@ An expert hit by several slots is read once per slot (from L2 after the first), 
 pays only while slots rarely share experts: the tuner decides up to which token count.
 Products are accumulated over ``[BLOCK_N, BLOCK_K]`` tiles in fp32 and reduced once per row at
 the end. No host syncs: capturable in a CUDA graph. In small decode steps
-(``qllm.plugins.pdl``) both kernels are launched with programmatic dependent launch. The
-gate-up kernel waits for the previous kernel at entry (its expert ids are the router's output)
-and only then lets the down kernel launch (``pdl_wait_then_launch``), so the router has
-completed when any down program starts: the down kernel lets the next kernel launch, reads
-its slot's expert id and its first ``BLOCK_K`` weight columns (at one token, all of them),
-then waits for the gate-up kernel before it reads ``hidden``. Its weight reads thus fill the
-tail of the gate-up kernel instead of following it.
+(``qllm.plugins.pdl``) both kernels are launched with programmatic dependent launch and wait
+for the previous kernel at entry (``qllm.plugins.pdl.pdl_enter``): the expert ids come from the
+router, so no weight can be read before.
 """
 
 from __future__ import annotations
@@ -33,9 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-from qllm.plugins.pdl import pdl_arguments, pdl_wait_then_launch
+from qllm.plugins.pdl import pdl_arguments, pdl_enter
 from qllm_kernels_moe.configs import GemmConfig
 
 
@@ -62,7 +56,7 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
                          USE_PDL: tl.constexpr):
     """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` for slot ``s`` of token
     ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``)."""
-    pdl_wait_then_launch(USE_PDL)  # the ids are the router's output, x the norm's
+    pdl_enter(USE_PDL)  # the ids are the router's output, x the norm's
     slot, rows, row_mask, ks, gate_ptrs = _slot_weight_tile(
         ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_expert, stride_w_row, BLOCK_N,
         BLOCK_K)  # gate_ptrs: [BN, BK]
@@ -89,24 +83,14 @@ def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weights_
                       num_experts, N, K, stride_w_expert, stride_w_row,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """``out[s, n] = round(routing_weights[s] * (hidden[s] . w[e, n]))`` for slot ``s`` routed
-    to expert ``e`` (``num_experts``: ``shared_w``); ``round`` to ``out``'s dtype. With
-    ``USE_PDL`` the ids and the first weight tile are read before the wait: the gate-up kernel
-    before this one let it launch only after its own wait, once the router had completed."""
-    if USE_PDL:
-        gdc_launch_dependents()
+    to expert ``e`` (``num_experts``: ``shared_w``); ``round`` to ``out``'s dtype."""
+    pdl_enter(USE_PDL)  # hidden is the gate-up's output; ids and weights the router's
     slot, rows, row_mask, ks, w_ptrs = _slot_weight_tile(
         ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_expert, stride_w_row, BLOCK_N,
         BLOCK_K)  # w_ptrs: [BN, BK]
     h_ptrs = hidden_ptr + slot * K + ks  # [BK]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if USE_PDL:  # the loop's first step, its weight loads issued before the wait
-        w = tl.load(w_ptrs, mask=row_mask[:, None] & (ks < K)[None, :], other=0.0)
-        gdc_wait()  # the gate-up kernel is done: hidden is written, out no longer read
-        h = tl.load(h_ptrs, mask=ks < K, other=0.0).to(tl.float32)[None, :]  # [1, BK]
-        acc += w.to(tl.float32) * h
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    for k_start in range(BLOCK_K if USE_PDL else 0, K, BLOCK_K):
+    for k_start in range(0, K, BLOCK_K):
         k_mask = ks < K - k_start
         h = tl.load(h_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]  # [1, BK]
         w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)

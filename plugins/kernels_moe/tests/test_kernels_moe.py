@@ -29,7 +29,7 @@ from qllm.testing.kernels import (HAS_TRITON, called_ops, cuda, graphs_traced_by
 from qllm.ops import moe as reference  # noqa: E402
 from qllm.plugins.registry import PluginRegistry  # noqa: E402
 from qllm.testing.pdl import (assert_graph_bits_equal, assert_pdl_sass,  # noqa: E402
-                              require_pdl_gpu, sass_summaries)
+                              require_pdl_gpu)
 from qllm_kernels_moe import ops, plugin  # noqa: E402
 from qllm_kernels_moe.align import max_padded_slots, moe_align  # noqa: E402
 from qllm_kernels_moe.configs import (GemmConfig, MoeConfig, default_config,  # noqa: E402
@@ -395,38 +395,12 @@ def _pdl_launch(op: str):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_pdl_sass_router(monkeypatch):
-    """The router's kernel, compiled for sm_90 as launched: with PDL it waits at entry, before
-    any load or store (``qllm.testing.pdl.assert_pdl_sass``); without, no grid-dependency-control
-    instruction."""
-    assert_pdl_sass(_pdl_launch("router"), monkeypatch)
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_pdl_sass_slot_path(monkeypatch):
-    """The slot path's two kernels, compiled for sm_90 as launched at one token: with PDL the
-    gate-up waits first (unpredicated, nothing read, stored or branched before) and only then
-    lets the down kernel launch; the down kernel lets the next launch, then reads its slot's
-    expert id (one 8-byte load) and its whole weight tile (``BLOCK_K`` covers the 512 columns:
-    16-byte loads, ``BLOCK_N x 512 x 2 / (16 x 32 x num_warps)`` per thread) and nothing else
-    before its wait; ``hidden`` and the routing weight after it. Without PDL neither
-    instruction."""
-    experts, top_k, hidden, inter = GPU_SHAPES["35b-a3b"]
-    down = get_config(1, experts, 2 * inter, hidden, top_k + 1).down
-    assert down.BLOCK_K >= inter
-    gate_up_sass, down_sass = sass_summaries(_pdl_launch("fused_moe"), True, monkeypatch)
-    entry = dict(spill_bytes=0, waits=1, launch_dependents=1, wait_unpredicated=True,
-                 stores_before_wait=[], control_before_wait=[])
-    assert gate_up_sass == dict(entry, launch_dependents_first=False, loads_before_wait=[],
-                                loads_after_wait=gate_up_sass["loads_after_wait"])
-    assert gate_up_sass["loads_after_wait"], gate_up_sass
-    weight_loads = down.BLOCK_N * inter * 2 // (16 * 32 * down.num_warps)
-    assert down_sass == dict(entry, launch_dependents_first=True,
-                             loads_before_wait=["LDG.E.64"] + ["LDG.E.128"] * weight_loads,
-                             loads_after_wait=down_sass["loads_after_wait"])
-    assert "LDG.E.U16" in down_sass["loads_after_wait"], down_sass  # the routing weight
-    for summary in sass_summaries(_pdl_launch("fused_moe"), False, monkeypatch):
-        assert summary["waits"] == summary["launch_dependents"] == 0, summary
+@pytest.mark.parametrize("op", ["router", "fused_moe"])
+def test_pdl_sass(op, monkeypatch):
+    """The router's kernel and the slot path's two, compiled for sm_90 as launched: with PDL
+    each waits at entry, before any load or store (``qllm.testing.pdl.assert_pdl_sass``);
+    without, no grid-dependency-control instruction."""
+    assert_pdl_sass(_pdl_launch(op), monkeypatch)
 
 
 test_triton_interpreter = interpreter_driver(__file__)
