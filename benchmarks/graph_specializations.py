@@ -82,8 +82,9 @@ def decode_calls(batch: int, c) -> dict:
                                              meta(b, dtype=I64), 1e-6, True),
         "kv_store": lambda: store_kv(*kv_cache, meta(b, hkv, d), meta(b, hkv, d),
                                      meta(b, dtype=I64)),
-        "paged_attention_decode": lambda: decode_attention(
-            meta(b, hq, d), *kv_cache, meta(b, dtype=I32), meta(b, 16, dtype=I32), d ** -0.5),
+        "paged_attention_decode": lambda: decode_attention(  # with Qwen3.5's output gate
+            meta(b, hq, d), *kv_cache, meta(b, dtype=I32), meta(b, 16, dtype=I32), d ** -0.5,
+            meta(b, hq, d)),
     }
     projections = {"gdn_in_proj": (conv + hv * dv + 2 * hv, h), "gdn_out_proj": (h, hv * dv),
                    "attention_qkv": ((2 * hq + 2 * hkv) * d, h), "attention_o": (h, hq * d),

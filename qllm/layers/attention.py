@@ -8,6 +8,7 @@ from torch import nn
 from qllm.batch import ForwardBatch
 from qllm.cache.base import CacheRequirement
 from qllm.distributed.parallel_state import TensorParallel
+from qllm.ops.attention import output_gated
 from qllm.plugins.registry import Kernels
 
 
@@ -60,10 +61,12 @@ class PagedAttention(nn.Module):
         # (tests/test_compile_cache.py).
         self.k_cache, self.v_cache = tensors["k"], tensors["v"]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        """``q [T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` -> ``[T, Hq, D]``."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                gate: torch.Tensor | None = None) -> torch.Tensor:
+        """``q [T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` -> ``[T, Hq, D]``, times
+        ``sigmoid(gate [T, Hq, D])`` with a gate (in the decode op's epilogue)."""
         self._store(self.k_cache, self.v_cache, k, v, batch.caches["paged_kv"].slot_mapping)
         if batch.is_prefill:
-            return self._prefill(q, self.k_cache, self.v_cache, batch, self.scale)
-        return self._decode(q, self.k_cache, self.v_cache, batch, self.scale)
+            out = self._prefill(q, self.k_cache, self.v_cache, batch, self.scale)
+            return out if gate is None else output_gated(out, gate)
+        return self._decode(q, self.k_cache, self.v_cache, batch, self.scale, gate)

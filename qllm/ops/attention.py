@@ -59,10 +59,19 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
+def output_gated(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``out * sigmoid(gate)`` (gated attention's output gate, ``[..., Hq, D]`` each), in fp32
+    and rounded once to ``out.dtype``."""
+    return (out.float() * torch.sigmoid(gate.float())).to(out.dtype)
+
+
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           batch: ForwardBatch, scale: float) -> torch.Tensor:
-    """One query per sequence, ``q [B, Hq, D]``, over its first ``seq_lens[i]`` cached tokens.
-    Tensor-only (no host sync), so it can be captured in a CUDA graph. Returns ``[B, Hq, D]``."""
+                           batch: ForwardBatch, scale: float,
+                           gate: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence, ``q [B, Hq, D]``, over its first ``seq_lens[i]`` cached tokens;
+    with ``gate [B, Hq, D]`` (any strides), the output gated by it (``output_gated``: the
+    kernels fold Qwen3.5's output gate into their epilogue). Tensor-only (no host sync), so it
+    can be captured in a CUDA graph. Returns ``[B, Hq, D]``."""
     block_tables = batch.caches["paged_kv"].block_tables  # [B, W]
     k = _gather_pages(k_cache, block_tables).to(q.dtype)  # [B, S, Hkv, D]
     v = _gather_pages(v_cache, block_tables).to(q.dtype)
@@ -71,4 +80,4 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = F.scaled_dot_product_attention(
         q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)  # [B, Hq, 1, D]
-    return out[:, :, 0, :]
+    return out[:, :, 0, :] if gate is None else output_gated(out[:, :, 0, :], gate)

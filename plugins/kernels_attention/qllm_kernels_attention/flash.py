@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from qllm.batch import ForwardBatch
+from qllm.ops.attention import output_gated
 from qllm_kernels_attention import ops
 
 try:
@@ -42,12 +43,14 @@ def _flash_decode_fake(q, k_cache, v_cache, seq_lens, block_tables, scale):
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           batch: ForwardBatch, scale: float) -> torch.Tensor:
-    """``paged_attention_decode`` for qllm through FlashAttention."""
+                           batch: ForwardBatch, scale: float,
+                           gate: torch.Tensor | None = None) -> torch.Tensor:
+    """``paged_attention_decode`` for qllm through FlashAttention (a gate applied after it)."""
     if not _pages_supported(k_cache):
-        return ops.paged_attention_decode(q, k_cache, v_cache, batch, scale)
-    return flash_decode(q, k_cache, v_cache, batch.seq_lens,
-                        batch.caches["paged_kv"].block_tables, scale)
+        return ops.paged_attention_decode(q, k_cache, v_cache, batch, scale, gate)
+    out = flash_decode(q, k_cache, v_cache, batch.seq_lens,
+                       batch.caches["paged_kv"].block_tables, scale)
+    return out if gate is None else output_gated(out, gate)
 
 
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

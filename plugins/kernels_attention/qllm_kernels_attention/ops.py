@@ -15,16 +15,17 @@ from qllm.batch import ForwardBatch
 
 @torch.library.custom_op("qllm_attn::paged_decode", mutates_args=())
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-    """Split-K paged decode attention, ``q [B, Hq, D]`` -> ``[B, Hq, D]``."""
+                 seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                 gate: torch.Tensor | None) -> torch.Tensor:
+    """Split-K paged decode attention, ``q [B, Hq, D]`` -> ``[B, Hq, D]``, times
+    ``sigmoid(gate [B, Hq, D])`` with a gate."""
     from qllm_kernels_attention.triton_decode import decode_attention
 
-    return decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale)
+    return decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, gate)
 
 
 @paged_decode.register_fake
-def _paged_decode_fake(q, k_cache, v_cache, seq_lens, block_tables, scale):
+def _paged_decode_fake(q, k_cache, v_cache, seq_lens, block_tables, scale, gate):
     return q.new_empty(q.shape)
 
 
@@ -88,10 +89,11 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           batch: ForwardBatch, scale: float) -> torch.Tensor:
+                           batch: ForwardBatch, scale: float,
+                           gate: torch.Tensor | None = None) -> torch.Tensor:
     """``paged_attention_decode`` for qllm (see ``qllm.ops.attention``); tensor-only."""
     return paged_decode(q, k_cache, v_cache, batch.seq_lens,
-                        batch.caches["paged_kv"].block_tables, scale)
+                        batch.caches["paged_kv"].block_tables, scale, gate)
 
 
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -84,9 +84,18 @@ TINY_PREFILL = {
 }
 
 
-def _reference(fn, x: PagedInputs) -> torch.Tensor:
-    """The plain-torch op in fp32 on the same (rounded) inputs."""
-    return fn(x.q.float(), x.k_cache.float(), x.v_cache.float(), x.batch, x.scale)
+def _reference(fn, x: PagedInputs, **gate) -> torch.Tensor:
+    """The plain-torch op in fp32 on the same (rounded) inputs (and ``gate``, if given)."""
+    gate = {name: g.float() for name, g in gate.items()}
+    return fn(x.q.float(), x.k_cache.float(), x.v_cache.float(), x.batch, x.scale, **gate)
+
+
+def _output_gate(q: torch.Tensor) -> torch.Tensor:
+    """A gate for ``q [B, Hq, D]`` laid out as Qwen3.5's: the second half of each head's
+    ``[q | gate]`` rows, a strided view."""
+    g = torch.Generator(device=q.device).manual_seed(7)
+    rows = torch.randn(*q.shape[:-1], 2 * q.shape[-1], generator=g, device=q.device)
+    return (2 * rows).to(q.dtype)[..., q.shape[-1]:]
 
 
 def _assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -95,18 +104,21 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> N
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
-def check_decode(case: dict, device: str, dtype: torch.dtype, num_splits: int | None) -> None:
-    """Decode through the registered function (automatic splits) or the launcher (forced)."""
+def check_decode(case: dict, device: str, dtype: torch.dtype, num_splits: int | None,
+                 gated: bool = False) -> None:
+    """Decode through the registered function (automatic splits) or the launcher (forced),
+    with Qwen3.5's output gate if ``gated``."""
     from qllm_kernels_attention.triton_decode import decode_attention
 
     x = paged_inputs(**case, dtype=dtype, device=device)
+    gate = dict(gate=_output_gate(x.q)) if gated else {}
     if num_splits is None:
-        out = ops.paged_attention_decode(x.q, x.k_cache, x.v_cache, x.batch, x.scale)
+        out = ops.paged_attention_decode(x.q, x.k_cache, x.v_cache, x.batch, x.scale, **gate)
     else:
         out = decode_attention(x.q, x.k_cache, x.v_cache, x.batch.seq_lens,
                                x.batch.caches["paged_kv"].block_tables, x.scale,
-                               num_splits=num_splits)
-    _assert_close(out, _reference(attention.paged_attention_decode, x), dtype)
+                               num_splits=num_splits, **gate)
+    _assert_close(out, _reference(attention.paged_attention_decode, x, **gate), dtype)
 
 
 def check_prefill(case: dict, device: str, dtype: torch.dtype) -> None:
@@ -124,9 +136,10 @@ def opcheck_ops(device: str, dtype: torch.dtype) -> None:
         x.q, x.k_cache, x.v_cache, b.query_start_loc, b.seq_lens, b.context_lens,
         b.caches["paged_kv"].block_tables, b.max_query_len, x.scale))
     x = paged_inputs(**TINY_DECODE["gqa2-d16-p4"], dtype=dtype, device=device)
-    torch.library.opcheck(ops.paged_decode, (
-        x.q, x.k_cache, x.v_cache, x.batch.seq_lens, x.batch.caches["paged_kv"].block_tables,
-        x.scale))
+    for gate in (None, _output_gate(x.q)):
+        torch.library.opcheck(ops.paged_decode, (
+            x.q, x.k_cache, x.v_cache, x.batch.seq_lens,
+            x.batch.caches["paged_kv"].block_tables, x.scale, gate))
     torch.library.opcheck(ops.qk_norm_rope_heads, qk_inputs(**TINY_QK["partial-zc"], tokens=3,
                                                              dtype=dtype, device=device))
     torch.library.opcheck(ops.kv_store, kv_store_inputs(TINY_KV_STORE["decode-gqa2-d16-p4"],
@@ -188,10 +201,11 @@ TINY_KV_STORE = {"decode-gqa2-d16-p4": TINY_DECODE["gqa2-d16-p4"],
 # ----------------------------------------------------------------------------- CUDA
 
 @cuda
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 @pytest.mark.parametrize("num_splits", [None, 1, 7], ids=["auto", "split1", "split7"])
 @pytest.mark.parametrize("case", GPU_DECODE.values(), ids=GPU_DECODE.keys())
-def test_decode_parity(case, num_splits):
-    check_decode(case, "cuda", torch.bfloat16, num_splits)
+def test_decode_parity(case, num_splits, gated):
+    check_decode(case, "cuda", torch.bfloat16, num_splits, gated)
 
 
 @cuda
@@ -387,9 +401,9 @@ def _pdl_launch(op: str):
         tensors = on_meta(*kv_store_inputs(PDL_DECODE, torch.bfloat16, "cpu"))
         return lambda: store_kv(*tensors)
     x = paged_inputs(**PDL_DECODE)
-    tensors = on_meta(x.q, x.k_cache, x.v_cache, x.batch.seq_lens,
-                      x.batch.caches["paged_kv"].block_tables)
-    return lambda: decode_attention(*tensors, x.scale)
+    *tensors, gate = on_meta(x.q, x.k_cache, x.v_cache, x.batch.seq_lens,
+                             x.batch.caches["paged_kv"].block_tables, _output_gate(x.q))
+    return lambda: decode_attention(*tensors, x.scale, gate)  # gated, as Qwen3.5's
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -409,10 +423,11 @@ test_triton_interpreter = interpreter_driver(__file__, "-W",
 # The interpreter's tl.dot reads bf16 as raw integers, so these use fp16 and fp32.
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 @pytest.mark.parametrize("num_splits", [None, 1, 3], ids=["auto", "split1", "split3"])
 @pytest.mark.parametrize("case", TINY_DECODE.values(), ids=TINY_DECODE.keys())
-def test_interpreted_decode(case, num_splits, dtype):
-    check_decode(case, "cpu", dtype, num_splits)
+def test_interpreted_decode(case, num_splits, dtype, gated):
+    check_decode(case, "cpu", dtype, num_splits, gated)
 
 
 @interpreted

@@ -3,7 +3,7 @@
 ``q_proj`` yields query and output gate interleaved per head (``[T, H, 2 * D]`` split in
 half per head); q/k get zero-centred per-head RMSNorm, then NeoX RoPE on the first
 ``head_dim * partial_rotary_factor`` dims; the attention output is multiplied by
-``sigmoid(gate)`` before ``o_proj``.
+``sigmoid(gate)`` before ``o_proj`` (in decode, by the attention kernel as it stores it).
 """
 
 from __future__ import annotations
@@ -58,6 +58,5 @@ class GatedAttention(nn.Module):
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
         q, k = self.qk_rotary(positions, q, k, self.q_norm, self.k_norm)  # q: [T, Hq, D]
-        out = self.attn(q, k, v, batch)                                       # [T, Hq, D]
-        out = out * torch.sigmoid(gate)
+        out = self.attn(q, k, v, batch, gate)                                 # [T, Hq, D]
         return self.o_proj(out.flatten(-2))
