@@ -108,12 +108,18 @@
 #   values in $TUNE_BLOCK_M (default all; 1 is the small-batch path) over the tile grid
 #   $TUNE_GRID (default quick; decode: the weight-streaming tiles), the rewritten table
 #   copied to $OUT.
+# base, head: switch the tree to the base side of a comparison prepared by
+#   `bash benchmarks/ab_base.sh prepare REV` (carry .ab-base), or back to the change; the
+#   stages after each switch log under $OUT/base-N or $OUT/head-N (N counts the switches),
+#   so `w3 base w3 head w3` measures the change, its base and the change again in one call.
 # Wheels in .whl/ (fla-core...) are installed first when present, into /tmp/site on this
 # script's PYTHONPATH: a command run after this script, outside it, needs
 # PYTHONPATH=/tmp/site too, or it runs without fla (session 14's last W2 did).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-gpu-out}
+root_out=${OUT:-gpu-out}
+out=$root_out
+switches=0
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -375,6 +381,10 @@ for stage in "$@"; do
         accuracy-int8|accuracy-fp8|accuracy-bf16) run "${stage/-/_}" 300 python3 \
                          benchmarks/variant_accuracy.py --variant "${stage#accuracy-}" \
                          --device cuda --dtype bfloat16 --real-geometry-layers 4 ;;
+        base|head) switches=$((switches + 1))
+                   out=$root_out/$stage-$switches
+                   mkdir -p "$out"
+                   bash benchmarks/ab_base.sh swap "$stage" || exit 1 ;;
         *) echo "unknown stage $stage" ;;
     esac
 done
