@@ -38,9 +38,8 @@ prepare() {  # prepare REV
             echo "$path" >> "$base_dir/ABSENT"
         fi
     done < <(git diff -z --name-only --no-renames "$rev" --)
-    echo "base $(git rev-parse --short "$rev"): $(find "$base_dir" -type f \
-        -not -path "$base_dir/.head/*" -not -name REV -not -name ABSENT | wc -l) files, \
-$(wc -l < "$base_dir/ABSENT") absent there"
+    echo "base $(git rev-parse --short "$rev"): $(base_files | tr -cd '\0' | wc -c) files," \
+        "$(wc -l < "$base_dir/ABSENT") absent there"
 }
 
 base_files() {  # the paths of the base's files, relative to the tree (NUL-separated)

@@ -180,6 +180,7 @@ class TensorParallelExecutor:
         self.failure: str | None = None
         self.closed = False
         self._reports: dict[int, str] = {}
+        self._failure_lock = threading.Lock()  # the watchdog and the engine's thread record it
         if self.processes:
             threading.Thread(target=self._watch, daemon=True, name="qllm-tp-watchdog").start()
         atexit.register(self.close)
@@ -203,16 +204,24 @@ class TensorParallelExecutor:
                 return f"tensor-parallel rank {rank} exited: {last}"
         return None
 
+    def _look_at_workers(self) -> None:
+        """Record a spawned worker that has exited as the failure, once; while the engine is
+        open, log it with the workers' reports and abort the device group."""
+        message = self._dead_worker()
+        with self._failure_lock:
+            if message is None or self.failure is not None:
+                return
+            self.failure = message
+        if self.closed:
+            return
+        logger.error("%s", message)
+        for rank, report in self._reports.items():
+            logger.error("rank %d:\n%s", rank, report)
+        self._abort()
+
     def _watch(self) -> None:
         while not self.closed and self.failure is None:
-            message = self._dead_worker()
-            if message is not None and not self.closed:
-                self.failure = message
-                logger.error("%s", message)
-                for rank, report in self._reports.items():
-                    logger.error("rank %d:\n%s", rank, report)
-                self._abort()
-                return
+            self._look_at_workers()
             time.sleep(0.2)
 
     def _abort(self) -> None:
@@ -228,8 +237,8 @@ class TensorParallelExecutor:
     def check(self) -> None:
         """Raise the failure of a rank, if one failed (a spawned worker that exited is seen
         here at once, not only at the watchdog's next look)."""
-        if self.failure is None and self.processes:
-            self.failure = self._dead_worker()
+        if self.processes:
+            self._look_at_workers()
         if self.failure is not None:
             raise RuntimeError(self.failure)
         if self.closed:
@@ -240,7 +249,7 @@ class TensorParallelExecutor:
         exited, once the watchdog has seen it."""
         deadline = time.monotonic() + (FAILURE_GRACE_SECONDS if self.processes else 0)
         while self.failure is None and time.monotonic() < deadline:
-            self.failure = self._dead_worker()
+            self._look_at_workers()
             time.sleep(0.05)
         if self.failure is None:
             self.failure = f"a tensor-parallel step failed: {exc!r}"
