@@ -7,6 +7,9 @@
 #   then a call that carries .ab-base (carry: [".ab-base", ...]) and runs, for instance,
 #   bash benchmarks/gpu_run.sh w3 base w3 head w3   # the change, the base, the change again
 #
+# Several bases: `prepare REV DIR` and `swap base|head DIR` use DIR instead of .ab-base
+# (gpu_run.sh's stages `base:DIR` and `head:DIR`), e.g. the parents of two changes in one call.
+#
 # prepare REV writes, for every tracked file that differs between REV and the working tree,
 # its content at REV under the same path in .ab-base/, lists in .ab-base/ABSENT the files
 # that REV lacks, and records REV (resolved) in .ab-base/REV. swap base (gpu_run.sh's stage
@@ -73,12 +76,14 @@ swap_head() {
     echo "side: head"
 }
 
+usage="usage: $0 prepare REV [DIR] | swap base|head [DIR]"
+[ -z "${3:-}" ] || base_dir=$3
 case "${1:-}" in
-    prepare) [ $# -eq 2 ] || { echo "usage: $0 prepare REV" >&2; exit 2; }; prepare "$2" ;;
+    prepare) [ $# -ge 2 ] || { echo "$usage" >&2; exit 2; }; prepare "$2" ;;
     swap) case "${2:-}" in
               base) swap_base ;;
               head) swap_head ;;
-              *) echo "usage: $0 swap base|head" >&2; exit 2 ;;
+              *) echo "$usage" >&2; exit 2 ;;
           esac ;;
-    *) echo "usage: $0 prepare REV | swap base|head" >&2; exit 2 ;;
+    *) echo "$usage" >&2; exit 2 ;;
 esac

@@ -111,7 +111,9 @@
 # base, head: switch the tree to the base side of a comparison prepared by
 #   `bash benchmarks/ab_base.sh prepare REV` (carry .ab-base), or back to the change; the
 #   stages after each switch log under $OUT/base-N or $OUT/head-N (N counts the switches),
-#   so `w3 base w3 head w3` measures the change, its base and the change again in one call.
+#   so `w3 base w3 head w3` measures the change, its base and the change again in one call;
+#   base:DIR and head:DIR do the same with a base prepared into DIR (`prepare REV DIR`;
+#   go back to head before another base: `base:.ab-a w3 head:.ab-a base w3 head w3`).
 # Wheels in .whl/ (fla-core...) are installed first when present, into /tmp/site on this
 # script's PYTHONPATH: a command run after this script, outside it, needs
 # PYTHONPATH=/tmp/site too, or it runs without fla (session 14's last W2 did).
@@ -381,10 +383,12 @@ for stage in "$@"; do
         accuracy-int8|accuracy-fp8|accuracy-bf16) run "${stage/-/_}" 300 python3 \
                          benchmarks/variant_accuracy.py --variant "${stage#accuracy-}" \
                          --device cuda --dtype bfloat16 --real-geometry-layers 4 ;;
-        base|head) switches=$((switches + 1))
-                   out=$root_out/$stage-$switches
+        base|head|base:*|head:*) switches=$((switches + 1))
+                   side=${stage%%:*}
+                   out=$root_out/$side-$switches
                    mkdir -p "$out"
-                   bash benchmarks/ab_base.sh swap "$stage" || exit 1 ;;
+                   bash benchmarks/ab_base.sh swap "$side" $([ "$side" = "$stage" ] \
+                       || echo "${stage#*:}") || exit 1 ;;
         *) echo "unknown stage $stage" ;;
     esac
 done

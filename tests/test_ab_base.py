@@ -25,9 +25,10 @@ def _ab(repo: pathlib.Path, *args: str) -> str:
 
 
 def _tree(repo: pathlib.Path) -> dict[str, str]:
-    """The tree's files (outside .git and .ab-base) and their contents."""
+    """The tree's files (outside .git and the bases, .ab-*) and their contents."""
     return {str(path.relative_to(repo)): path.read_text() for path in sorted(repo.rglob("*"))
-            if path.is_file() and path.relative_to(repo).parts[0] not in (".git", ".ab-base")}
+            if path.is_file() and path.relative_to(repo).parts[0] != ".git"
+            and not path.relative_to(repo).parts[0].startswith(".ab-")}
 
 
 def test_prepare_then_swap_base_and_head(tmp_path):
@@ -65,6 +66,25 @@ def test_prepare_then_swap_base_and_head(tmp_path):
         assert _tree(repo) == head
     _ab(repo, "swap", "base")
     assert _tree(repo) == base
+
+
+def test_two_bases_in_their_own_directories(tmp_path):
+    """Each base in its own directory: the tree goes to either and back."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    trees = []
+    for version in ("v1", "v2", "v3"):
+        (repo / "module.py").write_text(version + "\n")
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-q", "-m", version)
+        trees.append(_tree(repo))
+    _ab(repo, "prepare", "HEAD~2", ".ab-first")
+    _ab(repo, "prepare", "HEAD~1")
+    for side, directory, tree in (("base", ".ab-first", trees[0]), ("head", ".ab-first", trees[2]),
+                                  ("base", None, trees[1]), ("head", None, trees[2])):
+        _ab(repo, "swap", side, *([directory] if directory else []))
+        assert _tree(repo) == tree, (side, directory)
 
 
 def test_usage_errors(tmp_path):
