@@ -1,5 +1,6 @@
 """The ``linear`` op: the core registers ``F.linear`` for it, and every dense projection of the
-models (attention, Gated DeltaNet, dense MLP, MoE input) runs through the chosen kernel."""
+models (attention, Gated DeltaNet, dense MLP, MoE input, the LM head) runs through the chosen
+kernel."""
 
 from __future__ import annotations
 
@@ -69,8 +70,9 @@ def _checkpoint(kind: str, path):
 def test_model_projections_run_through_the_linear_op(kind, tmp_path):
     """Prefill and a decode step of a tiny model: every ``nn.Linear`` is a ``Linear`` of the
     chosen kernel, and each one the forward uses (all but the shared expert's, whose weights
-    the ``fused_moe`` op reads) reaches the kernel with its own weight and bias. Qwen3-Next
-    has every kind of projection: GDN and gated attention layers, dense and MoE MLPs."""
+    the ``fused_moe`` op reads) reaches the kernel with its own weight and bias, as does the
+    LM head. Qwen3-Next has every kind of projection: GDN and gated attention layers, dense
+    and MoE MLPs."""
     path, model_plugin = _checkpoint(kind, tmp_path)
     recorder = RecordingLinear()
     registry = PluginRegistry([recorder, model_plugin], load_entry_points=False)
@@ -85,5 +87,7 @@ def test_model_projections_run_through_the_linear_op(kind, tmp_path):
     used = {name for name, m in linears.items() if id(m.weight) in calls}
     assert used == {name for name in linears if ".shared_expert." not in name}
     assert all(calls[id(linears[name].weight)] is linears[name].bias for name in used)
+    head = llm.engine.model.lm_head.weight
+    assert id(head) in calls and calls[id(head)] is None
     if kind == "qwen3-bias":
         assert linears["model.layers.0.self_attn.o_proj"].bias is not None

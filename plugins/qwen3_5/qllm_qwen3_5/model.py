@@ -108,7 +108,7 @@ class Qwen3_5ForCausalLM(CausalLM):
              for i in range(config.num_hidden_layers)),
             RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True,
                     kernels=kernels))
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, kernels)
         if vision_config is not None:
             from qllm_qwen3_5.vision import VisionEncoder
 

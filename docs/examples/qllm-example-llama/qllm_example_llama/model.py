@@ -109,7 +109,7 @@ class LlamaForCausalLM(CausalLM):
             (LlamaDecoderLayer(config, kernels, engine_config.dtype)
              for _ in range(config.num_hidden_layers)),
             RMSNorm(config.hidden_size, config.rms_norm_eps, kernels=kernels))
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, kernels)
         self.tie_weights()
 
     def tie_weights(self) -> None:
