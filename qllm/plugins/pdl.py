@@ -17,9 +17,14 @@ first lets the next PDL-launched kernel launch (``gdc_launch_dependents``), then
 previous kernel to complete and its writes to be visible (``gdc_wait``) before it reads
 anything an earlier kernel wrote and before it stores anything: ``pdl_enter`` at kernel entry
 does both. The wait must be unconditional in every PDL-launched kernel: a kernel's own wait is
-what orders it after every kernel before its predecessor. Only parameters no kernel of the
-step writes (model weights) may be read before it (the GEMV reads its first weight tile so).
-Without ``USE_PDL`` the constexpr prunes it all and a kernel compiles to its code without PDL.
+what orders it after every kernel before its predecessor. Before it a kernel may read only
+what no kernel of the step before it writes (then split ``pdl_enter`` into ``pdl_release``,
+those reads, ``pdl_wait``): model weights (the GEMV reads its first weight tile so), the step's
+metadata (slots, written by the host before the step's first kernel), and in a decode step the
+recurrent state of the kernel's own layer, which only that kernel writes (the GDN decode
+kernels read their slots' state so); every kernel of the step starts after the work queued
+before the step has completed. Without ``USE_PDL`` the constexpr prunes it all and a kernel
+compiles to its code without PDL.
 
 Launchers call ``pdl_arguments(device, rows)`` (or ``use_pdl`` and ``launch_options``): PDL is
 on where the switch is, the rows are few enough and ``pdl_available`` (never on the CPU nor
@@ -89,6 +94,22 @@ def pdl_enter(USE_PDL: tl.constexpr):
     """With ``USE_PDL``: let the next PDL-launched kernel launch, then wait until the previous
     kernel has completed and its writes are visible. Call it where every thread passes, before
     any load of an earlier kernel's output and any store; without ``USE_PDL``, nothing."""
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)
+
+
+@triton.jit
+def pdl_release(USE_PDL: tl.constexpr):
+    """``pdl_enter``'s first half, at kernel entry: with ``USE_PDL``, let the next PDL-launched
+    kernel launch."""
     if USE_PDL:
         gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """``pdl_enter``'s second half: with ``USE_PDL``, wait until the previous kernel has
+    completed and its writes are visible. Every thread must pass it, before any load of an
+    earlier kernel's output and any store (module docstring: what may be read before it)."""
+    if USE_PDL:
         gdc_wait()

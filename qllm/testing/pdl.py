@@ -91,12 +91,16 @@ def sass_summaries(launch: Callable[[], object], on: bool,
     return [gdc_summary(compile_for_sm90(*kernel_launch)) for kernel_launch in launches]
 
 
-def assert_pdl_sass(launch: Callable[[], object], monkeypatch: pytest.MonkeyPatch) -> None:
+def assert_pdl_sass(launch: Callable[[], object], monkeypatch: pytest.MonkeyPatch,
+                    reads_before_wait: bool = False) -> None:
     """Each kernel ``launch()`` launches, compiled for sm_90: with PDL, one launch of dependents
-    then one unpredicated wait, with no global load, store, atomic, branch or exit before it,
-    loads after it and no spill; without, neither instruction."""
+    then one unpredicated wait, with no global load (some, with ``reads_before_wait``: a
+    kernel that reads its parameters, slots or state first), store, atomic, branch or exit
+    before it, loads after it and no spill; without, neither instruction."""
     for summary in sass_summaries(launch, True, monkeypatch):
-        assert {key: summary[key] for key in WAIT_AT_ENTRY} == WAIT_AT_ENTRY, summary
+        expected = dict(WAIT_AT_ENTRY, loads_before_wait=summary["loads_before_wait"])
+        assert {key: summary[key] for key in WAIT_AT_ENTRY} == expected, summary
+        assert bool(summary["loads_before_wait"]) == reads_before_wait, summary
         assert summary["loads_after_wait"], summary
     for summary in sass_summaries(launch, False, monkeypatch):
         assert summary["waits"] == summary["launch_dependents"] == 0, summary

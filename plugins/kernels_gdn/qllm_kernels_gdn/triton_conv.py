@@ -18,8 +18,9 @@ one coalesced vector. Math in fp32; outputs in ``x.dtype``, state in its own dty
   has read the old ones.
 
 In small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) the decode kernel is
-launched with programmatic dependent launch and waits for the previous kernel at entry
-(``qllm.plugins.pdl.pdl_enter``); the prefill kernels are not.
+launched with programmatic dependent launch: it reads its slot, weights and taps, then waits
+for the previous kernel (``qllm.plugins.pdl.pdl_wait``) before it reads ``x``; the prefill
+kernels are not.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.plugins.pdl import pdl_arguments, pdl_enter
+from qllm.plugins.pdl import pdl_arguments, pdl_release, pdl_wait
 
 UPDATE_BLOCK_C = 256
 PREFILL_BLOCK_T = 32
@@ -43,7 +44,9 @@ def _conv_update_kernel(
     stride_s_slot, stride_s_chan, stride_s_tap, stride_out_tok,
     KERNEL: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)  # x is the in_proj's output; the state is shifted in place
+    # Before the PDL wait: the slot, the weights and the slot's taps (no kernel of a decode
+    # step writes them before this one; qllm.plugins.pdl), their part of the sum computed.
+    pdl_release(USE_PDL)
     seq = tl.program_id(0)
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
     mask = chans < num_channels
@@ -51,16 +54,18 @@ def _conv_update_kernel(
     has_state = tl.load(has_state_ptr + seq)
     state = state_ptr + slot * stride_s_slot + chans * stride_s_chan  # [BC], tap 0 (oldest)
     weight = w_ptr + chans * stride_w_chan  # [BC]
-
-    x = tl.load(x_ptr + seq * stride_x_tok + chans * stride_x_chan, mask=mask, other=0.0)
-    acc = x.to(tl.float32) * tl.load(weight + (KERNEL - 1) * stride_w_tap, mask=mask,
-                                     other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     for j in tl.static_range(KERNEL - 1):
         tap = tl.load(state + j * stride_s_tap, mask=mask & has_state, other=0.0)  # [BC]
         acc += tap.to(tl.float32) * tl.load(weight + j * stride_w_tap, mask=mask,
                                             other=0.0).to(tl.float32)
-        if j > 0:  # shift left by one: tap j moves to j - 1
-            tl.store(state + (j - 1) * stride_s_tap, tap, mask=mask)
+    last_weight = tl.load(weight + (KERNEL - 1) * stride_w_tap, mask=mask, other=0.0)
+    pdl_wait(USE_PDL)  # x is the in_proj's output; the state is shifted in place
+    x = tl.load(x_ptr + seq * stride_x_tok + chans * stride_x_chan, mask=mask, other=0.0)
+    acc += x.to(tl.float32) * last_weight.to(tl.float32)
+    for j in tl.static_range(1, KERNEL - 1):  # shift left by one: tap j moves to j - 1
+        tap = tl.load(state + j * stride_s_tap, mask=mask & has_state, other=0.0)  # cached
+        tl.store(state + (j - 1) * stride_s_tap, tap, mask=mask)
     tl.store(state + (KERNEL - 2) * stride_s_tap,
              x.to(tl.float32).to(state_ptr.dtype.element_ty), mask=mask)
     out = acc * tl.sigmoid(acc)

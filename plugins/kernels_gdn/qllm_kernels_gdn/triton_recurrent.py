@@ -23,7 +23,9 @@ kernels are missing.
 
 In steps of at most ``PDL_MAX_ROWS`` tokens (``qllm.plugins.pdl``: decode at small batch, the
 shortest prefills) the kernel is launched with programmatic dependent launch and waits for the
-previous kernel at entry (``qllm.plugins.pdl.pdl_enter``).
+previous kernel (``qllm.plugins.pdl.pdl_wait``): in decode after reading its slot, its state
+tile and its head's parameters (no kernel of a decode step writes them before this one), in
+prefill at entry (a step's checkpoint rounds run the kernel more than once on one state).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.plugins.pdl import pdl_arguments, pdl_enter
+from qllm.plugins.pdl import pdl_arguments, pdl_release, pdl_wait
 
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus's: above it, softplus(x) is x
@@ -51,7 +53,9 @@ def _gated_delta_rule_kernel(
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)  # q, k, v are the conv's output, a and b the in_proj's
+    pdl_release(USE_PDL)
+    if VARLEN:  # a prefill's rounds may write the state before this launch: wait at entry
+        pdl_wait(USE_PDL)
     block_v = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -75,6 +79,8 @@ def _gated_delta_rule_kernel(
     h = tl.load(state, mask=mask_s & has_state, other=0.0).to(tl.float32)  # [BK, BV]
     decay_rate = tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+    if not VARLEN:  # decode: the slot and its state read before the wait (qllm.plugins.pdl)
+        pdl_wait(USE_PDL)  # q, k, v are the conv's output, a and b the in_proj's
 
     for t in range(bos, eos):
         q = tl.load(q_ptr + t * stride_q_tok + key_head * stride_q_head + dims_k, mask=mask_k,
