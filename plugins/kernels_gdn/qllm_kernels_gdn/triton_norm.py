@@ -7,8 +7,8 @@ the variance and a pointwise kernel for the rest (5.0 + 3.3 us per layer at W2's
 value head of one token) and applies weight and gate, with transformers' casts: ``x_hat`` in
 fp32, cast to the input dtype, times the weight in that dtype, times ``silu(gate)`` in fp32. In
 small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) it is launched with
-programmatic dependent launch and waits for the previous kernel at entry
-(``qllm.plugins.pdl.pdl_enter``).
+programmatic dependent launch: it reads its weight, then waits for the previous kernel
+(``qllm.plugins.pdl.pdl_wait``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.plugins.pdl import pdl_arguments, pdl_enter
+from qllm.plugins.pdl import pdl_arguments, pdl_release, pdl_wait
 
 ELEMENTS_PER_PROGRAM = 2048  # rows per program: this many elements over the row length
 NUM_WARPS = 4
@@ -28,16 +28,17 @@ def _rms_norm_gated_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, rows, heads, ep
                            stride_x_tok, stride_x_head, stride_g_tok, stride_g_head,
                            D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                            USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)  # x is the recurrence's output, the gate the in_proj's
+    pdl_release(USE_PDL)
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [R]: (token, head) pairs
     dims = tl.arange(0, BLOCK_D)  # [D]
     mask = (row < rows)[:, None] & (dims < D)[None, :]  # [R, D]
+    weight = tl.load(weight_ptr + dims, mask=dims < D, other=0.0)  # [D], a parameter
+    pdl_wait(USE_PDL)  # x is the recurrence's output, the gate the in_proj's
     token, head = (row // heads).to(tl.int64), row % heads
     x_rows = x_ptr + token * stride_x_tok + head * stride_x_head  # [R]
     gate_rows = gate_ptr + token * stride_g_tok + head * stride_g_head  # [R]
     x = tl.load(x_rows[:, None] + dims[None, :], mask=mask, other=0.0)  # [R, D]
     gate = tl.load(gate_rows[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-    weight = tl.load(weight_ptr + dims, mask=dims < D, other=0.0)  # [D]
 
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=1) / D + eps)  # [R]

@@ -10,7 +10,7 @@
   layer's chain of them in a replayed CUDA graph, the bits of PDL off.
 - CPU: the custom ops' fake path under ``torch.compile(fullgraph=True)``, the plugin's
   registrations, the decode kernels' SASS compiled for sm_90 with PDL (the wait before any
-  store, and before any load but of slots, weights and state) and without (no grid-dependency control), and parity of the plugin's own
+  store, and before any load but of weights, slots and state) and without (no grid-dependency control), and parity of the plugin's own
   Triton kernels at tiny shapes under the Triton interpreter (fla's autotuned kernels need a GPU
   driver, so they run on CUDA only). The interpreter must be switched on before Triton is
   imported, so ``test_triton_interpreter`` reruns this file's ``interpreted`` tests in a
@@ -522,11 +522,10 @@ def _pdl_launch(kernel: str) -> Callable[[], object]:
 @pytest.mark.parametrize("kernel", ["conv_update", "gdn_decode", "rms_norm_gated"])
 def test_pdl_sass(kernel, monkeypatch):
     """Each decode kernel compiled for sm_90 as launched: with PDL it waits before any store,
-    the gated norm before any load, the conv and the recurrence after reading their slots,
-    weights and state (``qllm.testing.pdl.assert_pdl_sass``); without, no
-    grid-dependency-control instruction."""
-    assert_pdl_sass(_pdl_launch(kernel), monkeypatch,
-                    reads_before_wait=kernel in ("conv_update", "gdn_decode"))
+    after reading its parameters (and the conv and the recurrence their slots and state) and
+    before reading the previous kernels' outputs (``qllm.testing.pdl.assert_pdl_sass``);
+    without, no grid-dependency-control instruction."""
+    assert_pdl_sass(_pdl_launch(kernel), monkeypatch, reads_before_wait=True)
 
 
 test_triton_interpreter = interpreter_driver(__file__)

@@ -8,8 +8,8 @@ the add in fp32 rounded once, ``x_hat`` in fp32, a plain weight multiplying ``x_
 to the input dtype, a zero-centred one multiplying in fp32.
 
 In small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) it is launched with
-programmatic dependent launch and waits for the previous kernel at entry
-(``qllm.plugins.pdl.pdl_enter``). At most ``FEW_ROWS`` rows a program has 16 warps rather than
+programmatic dependent launch: it reads the norm's weight, then waits for the previous kernel
+(``qllm.plugins.pdl.pdl_wait``), whose output is the last read of a row's reduction. At most ``FEW_ROWS`` rows a program has 16 warps rather than
 4: in W3's one-token step the add + norm after the MoE (its nine slot outputs and the residual,
 40 KB for one program) then ends 3.8 instead of 4.6 us after the MoE, 358.6 against 354.2 tok/s
 on an H100 (8 warps: 3.9 us; two runs of each, alternated in one call, 2026-12-06).
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.plugins.pdl import pdl_arguments, pdl_enter
+from qllm.plugins.pdl import pdl_arguments, pdl_release, pdl_wait
 
 NUM_WARPS = 4
 # ... and in steps of at most FEW_ROWS rows, where a row's loads are the kernel's latency
@@ -33,12 +33,13 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, eps,
                          stride_x, stride_x_part, stride_residual, PARTS: tl.constexpr,
                          D: tl.constexpr, BLOCK_D: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                          USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)  # x is the previous kernel's output
+    pdl_release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)  # [D]
     mask = dims < D
+    weight = tl.load(weight_ptr + dims, mask=mask, other=0.0).to(tl.float32)  # a parameter
+    pdl_wait(USE_PDL)  # x is the previous kernel's output, the residual an earlier one's
     residual = tl.load(residual_ptr + row * stride_residual + dims, mask=mask, other=0.0)
-    weight = tl.load(weight_ptr + dims, mask=mask, other=0.0).to(tl.float32)
     x = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for part in tl.static_range(PARTS):  # x's parts in order, then the residual, in fp32
         x += tl.load(x_ptr + row * stride_x + part * stride_x_part + dims, mask=mask,

@@ -522,12 +522,13 @@ def test_no_pdl_sass(case, monkeypatch):
 @pytest.mark.parametrize("parts", [0, 9], ids=["plain", "parts9"])
 def test_pdl_add_rms_norm_sass(parts, monkeypatch):
     """The residual add + RMSNorm compiled for sm_90 as launched at one row of 2,048: with PDL
-    it waits at entry, before any load or store (``qllm.testing.pdl.assert_pdl_sass``);
-    without, no grid-dependency-control instruction."""
+    it waits after reading its weight, before any other load or store
+    (``qllm.testing.pdl.assert_pdl_sass``); without, no grid-dependency-control instruction."""
     from qllm_kernels_linear.triton_norm import add_rms_norm
 
     x, residual, weight = on_meta(*norm_inputs(1, 2048, torch.bfloat16, "cpu", True, parts))
-    assert_pdl_sass(lambda: add_rms_norm(x, residual, weight, 1e-6, True), monkeypatch)
+    assert_pdl_sass(lambda: add_rms_norm(x, residual, weight, 1e-6, True), monkeypatch,
+                    reads_before_wait=True)
 
 
 test_triton_interpreter = interpreter_driver(__file__)
