@@ -20,10 +20,12 @@ does both. The wait must be unconditional in every PDL-launched kernel: a kernel
 what orders it after every kernel before its predecessor. Before it a kernel may read only
 what no kernel of the step before it writes (then split ``pdl_enter`` into ``pdl_release``,
 those reads, ``pdl_wait``): model weights (the GEMV reads its first weight tile so), the step's
-metadata (slots, written by the host before the step's first kernel), and in a decode step the
-recurrent state of the kernel's own layer, which only that kernel writes (the GDN decode
-kernels read their slots' state so); every kernel of the step starts after the work queued
-before the step has completed. Without ``USE_PDL`` the constexpr prunes it all and a kernel
+metadata (slots, positions: written by the host, or by kernels launched without PDL, before the
+step's first PDL-launched kernel, which starts only once they have completed), and in a decode
+step the recurrent state of the kernel's own layer, which only that kernel writes (the GDN
+decode kernels read their slots' state so). Not the output of any kernel of the step before it:
+each PDL-launched kernel lets the next one launch at its entry, so a kernel may start while
+several before it still run. Without ``USE_PDL`` the constexpr prunes it all and a kernel
 compiles to its code without PDL.
 
 Launchers call ``pdl_arguments(device, rows)`` (or ``use_pdl`` and ``launch_options``): PDL is

@@ -10,8 +10,8 @@ writes) where this kernel takes 69.6 us (1.93 TB/s; H200, ``bench_attention.py -
 store``, 2026-12-03).
 
 In small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) it is launched with
-programmatic dependent launch and waits for the previous kernel at entry
-(``qllm.plugins.pdl.pdl_enter``).
+programmatic dependent launch: it reads its token's slot, then waits for the previous kernel
+(``qllm.plugins.pdl.pdl_wait``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.plugins.pdl import pdl_arguments, pdl_enter
+from qllm.plugins.pdl import pdl_arguments, pdl_release, pdl_wait
 
 
 @triton.jit
@@ -32,13 +32,14 @@ def _kv_store_kernel(
     stride_vc_page, stride_vc_row, stride_vc_head,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)  # k is the q/k norm's output, v the qkv projection's
+    pdl_release(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     elements = tl.arange(0, BLOCK)  # [BLOCK], head-major over the token's [Hkv, D]
     mask = elements < HEADS * HEAD_DIM
     head, dim = elements // HEAD_DIM, elements % HEAD_DIM
-    slot = tl.load(slot_mapping_ptr + token)
-    page, row = slot // page_size, slot % page_size
+    slot = tl.load(slot_mapping_ptr + token)  # the step's metadata: before the wait
+    pdl_wait(USE_PDL)  # k is the q/k norm's output, v the qkv projection's
+    page, row = slot // page_size, slot % page_size  # (a division's branches: after the wait)
 
     key = tl.load(k_ptr + token * stride_k_tok + head * stride_k_head + dim, mask=mask)
     tl.store(k_cache_ptr + page * stride_kc_page + row * stride_kc_row

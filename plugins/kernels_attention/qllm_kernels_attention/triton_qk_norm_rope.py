@@ -14,8 +14,8 @@ and sin rounded to the input dtype and computes in fp32, rounding once at the st
 Inductor compiles the reference; eager torch rounds each product).
 
 In small decode steps (``qllm.plugins.pdl``, at most ``PDL_MAX_ROWS`` rows) it is launched with
-programmatic dependent launch and waits for the previous kernel at entry
-(``qllm.plugins.pdl.pdl_enter``).
+programmatic dependent launch: it reads its token's position, that position's rotation and the
+norms' weights, then waits for the previous kernel (``qllm.plugins.pdl.pdl_wait``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.plugins.pdl import pdl_arguments, pdl_enter
+from qllm.plugins.pdl import pdl_arguments, pdl_release, pdl_wait
 
 # Up to this many tokens (decode batches) a program takes one head: one program per token walked
 # Qwen3.5's 18 heads latency-bound (4.7 us at 1 token, 4.6 at 200). Prefill steps keep a
@@ -53,7 +53,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_wei
                          ZERO_CENTERED: tl.constexpr, USE_PDL: tl.constexpr):
     """Program ``(t, g)``: heads ``[g * BLOCK_H, (g + 1) * BLOCK_H)`` of token ``t``, counting
     the ``HQ`` q heads first, then the ``HK`` k heads."""
-    pdl_enter(USE_PDL)  # q and k are the qkv_proj's output
+    pdl_release(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [H]
     is_q = heads < HQ
@@ -67,6 +67,15 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_wei
 
     half = tl.arange(0, HALF_PAD)[None, :]  # [1, n]
     mask = mask_h & (half < HALF)  # [H, n]
+    # before the PDL wait: the step's position and its rotation, the norms' weights
+    position = tl.load(positions_ptr + token)
+    table = cos_sin_ptr + position * stride_cos_sin + half  # [1, n]: the position's [cos | sin]
+    out_ty = q_out_ptr.dtype.element_ty
+    cos = tl.load(table, mask=half < HALF, other=0.0).to(out_ty).to(tl.float32)  # [1, n]
+    sin = tl.load(table + HALF, mask=half < HALF, other=0.0).to(out_ty).to(tl.float32)
+    weight1 = tl.load(weight + half, mask=mask, other=0.0)  # [H, n]
+    weight2 = tl.load(weight + HALF + half, mask=mask, other=0.0)
+    pdl_wait(USE_PDL)  # q and k are the qkv_proj's output
     x1 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)  # [H, n]
     x2 = tl.load(src + HALF + half, mask=mask, other=0.0).to(tl.float32)
     sum_sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # [H]
@@ -77,15 +86,8 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_wei
         sum_sq += tl.sum(xr * xr, axis=1)
     inv_rms = tl.rsqrt(sum_sq / D + eps)  # [H]
 
-    position = tl.load(positions_ptr + token)
-    table = cos_sin_ptr + position * stride_cos_sin + half  # [1, n]: the position's [cos | sin]
-    out_ty = q_out_ptr.dtype.element_ty
-    cos = tl.load(table, mask=half < HALF, other=0.0).to(out_ty).to(tl.float32)  # [1, n]
-    sin = tl.load(table + HALF, mask=half < HALF, other=0.0).to(out_ty).to(tl.float32)
-    n1 = _scaled(x1, inv_rms, tl.load(weight + half, mask=mask, other=0.0),
-                 ZERO_CENTERED).to(tl.float32)
-    n2 = _scaled(x2, inv_rms, tl.load(weight + HALF + half, mask=mask, other=0.0),
-                 ZERO_CENTERED).to(tl.float32)
+    n1 = _scaled(x1, inv_rms, weight1, ZERO_CENTERED).to(tl.float32)
+    n2 = _scaled(x2, inv_rms, weight2, ZERO_CENTERED).to(tl.float32)
     tl.store(dst + half, (n1 * cos - n2 * sin).to(out_ty), mask=mask)
     tl.store(dst + HALF + half, (n2 * cos + n1 * sin).to(out_ty), mask=mask)
     if REST > 0:

@@ -410,10 +410,11 @@ def _pdl_launch(op: str):
 @pytest.mark.parametrize("op", ["qk_norm_rope", "paged_decode", "kv_store"])
 def test_pdl_sass(op, monkeypatch):
     """The q/k norm + RoPE kernel, the decode's split and merge kernels and the K/V store,
-    compiled for sm_90 as launched: with PDL each waits at entry, before any load or store
+    compiled for sm_90 as launched: with PDL each waits before any store, the decode's at
+    entry, the others after reading the step's positions or slots and the weights
     (``qllm.testing.pdl.assert_pdl_sass``); without, no grid-dependency-control
     instruction."""
-    assert_pdl_sass(_pdl_launch(op), monkeypatch)
+    assert_pdl_sass(_pdl_launch(op), monkeypatch, reads_before_wait=op != "paged_decode")
 
 
 test_triton_interpreter = interpreter_driver(__file__, "-W",
