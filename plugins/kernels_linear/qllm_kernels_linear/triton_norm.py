@@ -12,7 +12,8 @@ programmatic dependent launch: it reads the norm's weight (loaded after the row'
 reduction otherwise), then waits for the previous kernel (``qllm.plugins.pdl.pdl_wait``). At
 most ``FEW_ROWS`` rows a program has 16 warps rather than 4: in W3's one-token step the add +
 norm after the MoE (its nine slot outputs and the residual, 40 KB for one program) then ends
-3.8 instead of 4.6 us after the MoE, 358.6 against 354.2 tok/s on an H100 (8 warps: 3.9 us; two runs of each, alternated in one call, 2026-12-06).
+3.8 instead of 4.6 us after the MoE, 358.6 against 354.2 tok/s on an H100 (8 warps: 3.9 us;
+two runs of each, alternated in one call, 2026-12-06).
 """
 
 from __future__ import annotations
