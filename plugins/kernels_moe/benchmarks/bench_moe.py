@@ -137,8 +137,9 @@ def gemm_candidates(block_m: int, gated: bool, many_blocks_per_expert: bool, gri
 
 
 # The small-batch path (BLOCK_M 1): rows per program, the K tile each row streams, warps and
-# loop stages; tried up to SLOT_PATH_TUNE_TOKENS tokens.
-SLOT_GRID = dict(n=(1, 2, 4, 8, 16, 32), k=(256, 512, 1024), warps=(1, 2, 4, 8),
+# loop stages; tried up to SLOT_PATH_TUNE_TOKENS tokens. A K tile of 2,048 covers the gate-up's
+# whole hidden size in one step (every weight load of a program in flight at once).
+SLOT_GRID = dict(n=(1, 2, 4, 8, 16, 32), k=(256, 512, 1024, 2048), warps=(1, 2, 4, 8),
                  stages=(1, 2))
 SLOT_PATH_TUNE_TOKENS = 16
 SLOT_TILE_ELEMENTS = 16384  # fp32 accumulator elements per program, at most
