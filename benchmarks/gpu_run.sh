@@ -51,6 +51,11 @@
 #   included) on that W8A16 GEMM at every row count (default auto: plugins/kernels_int8 ops.py);
 #   w1, w2, w3: throughput.py, then a decode-step profile
 #   on the same engine (W1 batch 256 x 1,100, W2 200 x 2,000, W3 1 x 512; files in $OUT);
+#   w3-slot-tiles: W3 (with its profile) once per trial of the slot MoE's one-token entry in
+#   $SLOT_TILES (default "up=2,2048,4,1 up=1,2048,2,1"; a trial is GEMM=BLOCK_N,BLOCK_K,
+#   num_warps,num_stages, or both GEMMs joined by +, set by bench_moe.py --set-entry), logs in
+#   $OUT/w3-slot-<trial>, the table restored after each; run w3 in the same call for the
+#   shipped entry;
 #   w3-cublas: W3 with the projections on cuBLAS (the linear op pinned to torch), the GEMV's
 #   baseline; w3-autotune: the same with Inductor's GEMM autotuning in the decode layers;
 #   w1-sampling-torch: W1 with its draws on the plain-torch sample_tokens (the kernel's baseline);
@@ -320,6 +325,21 @@ for stage in "$@"; do
         w3) run w3 200 python3 benchmarks/throughput.py --workload w3 --max-num-seqs 1 \
                 --max-model-len 1024 --recurrent-state-dtype bfloat16 \
                 --profile-decode 1 512 --profile-out "$out" ;;
+        w3-slot-tiles) table=plugins/kernels_moe/qllm_kernels_moe/configs/E=256,N=1024,K=2048.json
+                       cp "$table" /tmp/moe-table-kept.json
+                       stage_out=$out
+                       for tile in ${SLOT_TILES:-up=2,2048,4,1 up=1,2048,2,1}; do
+                           out=$stage_out/w3-slot-${tile//[=,+]/-}
+                           mkdir -p "$out"
+                           python3 plugins/kernels_moe/benchmarks/bench_moe.py --set-entry 1 \
+                               ${tile//+/ } > "$out/entry.json" || break
+                           run w3 200 python3 benchmarks/throughput.py --workload w3 \
+                               --max-num-seqs 1 --max-model-len 1024 \
+                               --recurrent-state-dtype bfloat16 --profile-decode 1 512 \
+                               --profile-out "$out"
+                           cp /tmp/moe-table-kept.json "$table"
+                       done
+                       out=$stage_out ;;
         w3-cublas) run w3_cublas 200 python3 benchmarks/throughput.py --workload w3 \
                        --max-num-seqs 1 --max-model-len 1024 --recurrent-state-dtype bfloat16 \
                        --kernel linear=torch ;;

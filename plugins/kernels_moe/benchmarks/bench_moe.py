@@ -24,10 +24,15 @@ over several runs with ``--tokens`` and ``--block-m``: an entry records its time
 ``--grid quick`` tries fewer tiles; ``--grid decode`` the tiles of weight-streaming decode
 batches.
 
+``--set-entry TOKENS GEMM=BLOCK_N,BLOCK_K,num_warps,num_stages ...`` writes tiles into one
+entry by hand (an end-to-end trial of a tile the standalone sweep did not pick; the entry
+becomes untuned), printing the entry it replaced.
+
     python plugins/kernels_moe/benchmarks/bench_moe.py [--impl triton torch]
     python plugins/kernels_moe/benchmarks/bench_moe.py \
         --tune [--grid quick|decode] [--tokens 1 2 4 8 ... 4096]
         [--block-m 1 16 32 64 128]
+    python plugins/kernels_moe/benchmarks/bench_moe.py --set-entry 1 up=2,2048,4,1
 """
 
 from __future__ import annotations
@@ -238,6 +243,34 @@ def write_table(path: Path, meta: dict, entries: dict[int, dict]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def parse_tile(spec: str) -> tuple[str, dict]:
+    """``GEMM=BLOCK_N,BLOCK_K,num_warps,num_stages`` (GEMM ``up`` or ``down``) -> ``(GEMM,
+    those four fields)``."""
+    gemm, _, values = spec.partition("=")
+    fields = values.split(",")
+    if gemm not in ("up", "down") or len(fields) != 4 or not all(f.isdigit() for f in fields):
+        raise ValueError(f"tile {spec!r}: expected up=... or down=... with BLOCK_N,BLOCK_K,"
+                         f"num_warps,num_stages, e.g. up=2,2048,4,1")
+    return gemm, dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), map(int, fields)))
+
+
+def set_entry(tokens: int, tiles: list[str], path: Path) -> dict:
+    """Write ``tiles`` (``parse_tile`` specs) into the entry for ``tokens`` of the table at
+    ``path``, its other fields kept and its tuning record dropped; returns the entry replaced."""
+    document = json.loads(path.read_text())
+    entries = {int(key): value for key, value in document.pop("configs").items()}
+    if tokens not in entries:
+        raise ValueError(f"{path.name} has no entry for {tokens} tokens: {sorted(entries)}")
+    replaced = entries[tokens]
+    entry = {key: value for key, value in replaced.items() if key != "tuned_ms"}
+    entry["tuned_on"] = None
+    for gemm, fields in map(parse_tile, tiles):
+        entry[gemm] = {**entry[gemm], **fields}
+    entries[tokens] = entry
+    write_table(path, document, entries)
+    return replaced
+
+
 def tune(token_counts: list[int], grid: dict, block_ms: tuple[int, ...] = BLOCK_MS) -> None:
     path = config_path(EXPERTS, 2 * INTER, HIDDEN)
     document = json.loads(path.read_text())
@@ -269,7 +302,15 @@ def main() -> None:
     parser.add_argument("--block-m", nargs="+", type=int, default=list(BLOCK_MS),
                         choices=BLOCK_MS, help="BLOCK_M values to try (with --tune; 1: the "
                         "small-batch path); an entry tuned faster on this device is kept")
+    parser.add_argument("--set-entry", nargs="+", metavar="TOKENS GEMM=TILE",
+                        help="write tiles into the table's entry for TOKENS, e.g. 1 "
+                        "up=2,2048,4,1 (BLOCK_N,BLOCK_K,num_warps,num_stages)")
     args = parser.parse_args()
+    if args.set_entry:
+        tokens, *tiles = args.set_entry
+        path = config_path(EXPERTS, 2 * INTER, HIDDEN)
+        print(json.dumps({"replaced": set_entry(int(tokens), tiles, path)}))
+        return
     if args.tune:
         tune(args.tokens, GRIDS[args.grid], tuple(args.block_m))
         return
