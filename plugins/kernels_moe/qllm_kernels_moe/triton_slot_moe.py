@@ -19,8 +19,13 @@ pays only while slots rarely share experts: the tuner decides up to which token 
 Products are accumulated over ``[BLOCK_N, BLOCK_K]`` tiles in fp32 and reduced once per row at
 the end. No host syncs: capturable in a CUDA graph. In small decode steps
 (``qllm.plugins.pdl``) both kernels are launched with programmatic dependent launch and wait
-for the previous kernel at entry (``qllm.plugins.pdl.pdl_enter``): the expert ids come from the
-router, so no weight can be read before.
+for the previous kernel (``qllm.plugins.pdl.pdl_wait``) before reading the expert ids, the
+router's output. Only a token's last slot, the shared expert's by the router's convention
+(``moe_router``), knows its weights before: its programs read the shared expert's first
+``BLOCK_K`` columns before the wait and keep them where the id confirms the guess (elsewhere,
+e.g. ids without the shared expert, the guess costs their bandwidth, not their result). With a
+tile covering all of K, the shared expert's ninth of the weights is then off the path from the
+router to the expert outputs.
 """
 
 from __future__ import annotations
@@ -29,24 +34,44 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.plugins.pdl import pdl_arguments, pdl_enter
+from qllm.plugins.pdl import pdl_arguments, pdl_release, pdl_wait
 from qllm_kernels_moe.configs import GemmConfig
 
 
 @triton.jit
-def _slot_weight_tile(ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_expert,
-                      stride_w_row, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """This program's slot, its ``BLOCK_N`` weight rows of the slot's expert (the shared
-    expert's for id ``num_experts``) and their first ``BLOCK_K`` columns:
-    ``(slot, rows [BN], row_mask [BN], ks [BK], w_ptrs [BN, BK])``."""
+def _first_weight_tiles(w_ptr, shared_w_ptr, ids_ptr, num_experts, N, K, stride_w_expert,
+                        stride_w_row, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr):
+    """This program's slot and ``BLOCK_N`` weight rows of the slot's expert (the shared
+    expert's for id ``num_experts``), their first ``BLOCK_K`` columns loaded, around the PDL
+    wait: a token's last slot, the shared expert's by the router's convention, reads the shared
+    weights' tile before the wait (parameters), kept where its id confirms the guess; every
+    other tile is read after it. Returns ``(slot, rows [BN], row_mask [BN], ks [BK], w_ptrs
+    [BN, BK] at the first tile, tile [BN, BK], up_tile [BN, BK])``; with ``GATED`` the tiles
+    are the gate rows and the up rows ``N`` further down, else ``up_tile`` is ``tile``."""
+    pdl_release(USE_PDL)
     slot = tl.program_id(0)
-    expert = tl.load(ids_ptr + slot)
-    expert_w_ptr = tl.where(expert == num_experts, shared_w_ptr,
-                            w_ptr + expert * stride_w_expert)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    row_mask = rows < N
     ks = tl.arange(0, BLOCK_K)
-    w_ptrs = expert_w_ptr + rows[:, None] * stride_w_row + ks[None, :]  # [BN, BK]
-    return slot, rows, rows < N, ks, w_ptrs
+    first = row_mask[:, None] & (ks < K)[None, :]  # [BN, BK]
+    offsets = rows[:, None] * stride_w_row + ks[None, :]  # [BN, BK]
+    guess = slot % TOP_K == TOP_K - 1
+    early = tl.load(shared_w_ptr + offsets, mask=first & guess, other=0.0)
+    if GATED:
+        early_up = tl.load(shared_w_ptr + N * stride_w_row + offsets, mask=first & guess,
+                           other=0.0)
+    pdl_wait(USE_PDL)  # the ids are the router's output
+    expert = tl.load(ids_ptr + slot)
+    shared = expert == num_experts
+    expert_w_ptr = tl.where(shared, shared_w_ptr, w_ptr + expert * stride_w_expert)
+    w_ptrs = expert_w_ptr + offsets
+    late = first & ~(guess & shared)
+    tile = tl.load(w_ptrs, mask=late, other=early)
+    up_tile = tile
+    if GATED:
+        up_tile = tl.load(w_ptrs + N * stride_w_row, mask=late, other=early_up)
+    return slot, rows, row_mask, ks, w_ptrs, tile, up_tile
 
 
 @triton.jit
@@ -56,23 +81,23 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
                          USE_PDL: tl.constexpr):
     """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` for slot ``s`` of token
     ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``)."""
-    pdl_enter(USE_PDL)  # the ids are the router's output, x the norm's
-    slot, rows, row_mask, ks, gate_ptrs = _slot_weight_tile(
-        ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_expert, stride_w_row, BLOCK_N,
-        BLOCK_K)  # gate_ptrs: [BN, BK]
+    slot, rows, row_mask, ks, gate_ptrs, gate_w, up_w = _first_weight_tiles(
+        w_ptr, shared_w_ptr, ids_ptr, num_experts, N, K, stride_w_expert, stride_w_row, TOP_K,
+        BLOCK_N, BLOCK_K, True, USE_PDL)  # gate_ptrs, gate_w, up_w: [BN, BK]; x: the norm's
     x_ptrs = x_ptr + (slot // TOP_K) * stride_x_row + ks  # [BK]
     up_ptrs = gate_ptrs + N * stride_w_row
-    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
+    x = tl.load(x_ptrs, mask=ks < K, other=0.0).to(tl.float32)[None, :]  # [1, BK]
+    gate = gate_w.to(tl.float32) * x  # [BN, BK]
+    up = up_w.to(tl.float32) * x
+    for k_start in range(BLOCK_K, K, BLOCK_K):
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
         k_mask = ks < K - k_start
         x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]  # [1, BK]
         w_mask = row_mask[:, None] & k_mask[None, :]
         gate += tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
         up += tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
-        x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
     gate_sum = tl.sum(gate, axis=1)  # [BN]
     out = gate_sum * tl.sigmoid(gate_sum) * tl.sum(up, axis=1)
     tl.store(hidden_ptr + slot * N + rows, out.to(hidden_ptr.dtype.element_ty), mask=row_mask)
@@ -81,22 +106,23 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
 @triton.jit
 def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weights_ptr, out_ptr,
                       num_experts, N, K, stride_w_expert, stride_w_row,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      USE_PDL: tl.constexpr):
     """``out[s, n] = round(routing_weights[s] * (hidden[s] . w[e, n]))`` for slot ``s`` routed
     to expert ``e`` (``num_experts``: ``shared_w``); ``round`` to ``out``'s dtype."""
-    pdl_enter(USE_PDL)  # hidden is the gate-up's output; ids and weights the router's
-    slot, rows, row_mask, ks, w_ptrs = _slot_weight_tile(
-        ids_ptr, w_ptr, shared_w_ptr, num_experts, N, stride_w_expert, stride_w_row, BLOCK_N,
-        BLOCK_K)  # w_ptrs: [BN, BK]
+    slot, rows, row_mask, ks, w_ptrs, w, _ = _first_weight_tiles(
+        w_ptr, shared_w_ptr, ids_ptr, num_experts, N, K, stride_w_expert, stride_w_row, TOP_K,
+        BLOCK_N, BLOCK_K, False, USE_PDL)  # w_ptrs, w: [BN, BK]; hidden: the gate-up's
     h_ptrs = hidden_ptr + slot * K + ks  # [BK]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
+    h = tl.load(h_ptrs, mask=ks < K, other=0.0).to(tl.float32)[None, :]  # [1, BK]
+    acc = w.to(tl.float32) * h  # [BN, BK]
+    for k_start in range(BLOCK_K, K, BLOCK_K):
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
         k_mask = ks < K - k_start
         h = tl.load(h_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]  # [1, BK]
         w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * h
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
     out = tl.sum(acc, axis=1) * tl.load(routing_weights_ptr + slot).to(tl.float32)
     tl.store(out_ptr + slot * N + rows, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
@@ -130,7 +156,7 @@ def slot_down(hidden: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor,
     grid = (num_slots, triton.cdiv(hidden_size, config.BLOCK_N))
     _slot_down_kernel[grid](
         hidden, w2, shared_w2, topk_ids, topk_weights, out, w2.shape[0], hidden_size, inter,
-        w2.stride(0), w2.stride(1), BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        w2.stride(0), w2.stride(1), TOP_K=topk_ids.shape[1], BLOCK_N=config.BLOCK_N,
+        BLOCK_K=config.BLOCK_K, num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_arguments(hidden.device, topk_ids.shape[0]))
     return out

@@ -398,9 +398,10 @@ def _pdl_launch(op: str):
 @pytest.mark.parametrize("op", ["router", "fused_moe"])
 def test_pdl_sass(op, monkeypatch):
     """The router's kernel and the slot path's two, compiled for sm_90 as launched: with PDL
-    each waits at entry, before any load or store (``qllm.testing.pdl.assert_pdl_sass``);
-    without, no grid-dependency-control instruction."""
-    assert_pdl_sass(_pdl_launch(op), monkeypatch)
+    each waits before any store, the router at entry, the slot kernels after reading the
+    shared expert's first tile (``qllm.testing.pdl.assert_pdl_sass``); without, no
+    grid-dependency-control instruction."""
+    assert_pdl_sass(_pdl_launch(op), monkeypatch, reads_before_wait=op == "fused_moe")
 
 
 test_triton_interpreter = interpreter_driver(__file__)
@@ -422,6 +423,20 @@ def test_interpreted_slot_path_bf16(case):
     """The small-batch path has no ``tl.dot``, so the interpreter runs it in bf16 too."""
     tokens, experts, top_k, hidden, inter, skew = case
     inputs = moe_inputs(tokens, experts, hidden, inter, top_k, torch.bfloat16, skew=skew)
+    check_parity(inputs, TINY_CONFIGS["m1"])
+
+
+@interpreted
+@pytest.mark.parametrize("case", TINY.values(), ids=TINY.keys())
+def test_interpreted_slot_path_shared_expert_not_last(case):
+    """Each token's shared expert in its first slot, a routed one in its last: the slot
+    kernels' guess (the last slot is the shared expert's) is wrong everywhere, and the result
+    is still the reference's."""
+    tokens, experts, top_k, hidden, inter, skew = case
+    inputs = moe_inputs(tokens, experts, hidden, inter, top_k, torch.float32, skew=skew)
+    order = [top_k, *range(top_k)]  # the shared slot first
+    inputs = inputs._replace(topk_weights=inputs.topk_weights[:, order].contiguous(),
+                             topk_ids=inputs.topk_ids[:, order].contiguous())
     check_parity(inputs, TINY_CONFIGS["m1"])
 
 
