@@ -151,6 +151,13 @@ run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, print the last lin
     echo "exit $? ($name, $((SECONDS - start)) s)"
     tr '\r' '\n' < "$out/$name.log" | grep -vE "graph/s|req/s|it/s" | tail -${TAIL:-8}
 }
+w3_profiled() {  # w3_profiled NAME DIR [OPTION...]: W3 (one sequence, the bf16 GDN state),
+    local name=$1 dir=$2; shift 2  # then its decode-step profile into DIR
+    mkdir -p "$dir"
+    run "$name" 200 python3 benchmarks/throughput.py --workload w3 --max-num-seqs 1 \
+        --max-model-len 1024 --recurrent-state-dtype bfloat16 "$@" \
+        --profile-decode 1 512 --profile-out "$dir"
+}
 for stage in "$@"; do
     case $stage in
         gpu-tests) run gpu_tests 480 python3 -m pytest $PYTEST_GPU --timeout 300 \
@@ -194,11 +201,8 @@ for stage in "$@"; do
                            --write-table
                        cp plugins/kernels_linear/qllm_kernels_linear/swept_gemv.json "$out"/
                        for swept in 0 1; do  # the rule's configs, then the sweep's
-                           mkdir -p "$out/w3-gemv-swept-$swept"
-                           QLLM_GEMV_SWEPT=$swept run w3_gemv_swept_$swept 200 python3 \
-                               benchmarks/throughput.py --workload w3 --max-num-seqs 1 \
-                               --max-model-len 1024 --recurrent-state-dtype bfloat16 \
-                               --profile-decode 1 512 --profile-out "$out/w3-gemv-swept-$swept"
+                           QLLM_GEMV_SWEPT=$swept w3_profiled w3_gemv_swept_$swept \
+                               "$out/w3-gemv-swept-$swept"
                        done ;;
         bench-linear-200) TAIL=${TAIL:-14} run bench_linear_200 300 python3 \
                               plugins/kernels_linear/benchmarks/bench_linear.py --rows 200 \
@@ -292,11 +296,8 @@ for stage in "$@"; do
         w2-int8|w2-int8-experts|w2-fp8|w2-fp8-experts) run "${stage/-/_}" 360 python3 benchmarks/throughput.py --workload w2 \
                             --max-num-seqs 200 --max-model-len 3072 --recurrent-state-dtype \
                             bfloat16 --quantization "${stage#w2-}" ;;
-        w3-int8|w3-fp8) mkdir -p "$out/$stage"
-                        run "${stage/-/_}" 200 python3 benchmarks/throughput.py --workload w3 \
-                            --max-num-seqs 1 --max-model-len 1024 --recurrent-state-dtype \
-                            bfloat16 --quantization "${stage#w3-}" \
-                            --profile-decode 1 512 --profile-out "$out/$stage" ;;
+        w3-int8|w3-fp8) w3_profiled "${stage/-/_}" "$out/$stage" \
+                            --quantization "${stage#w3-}" ;;
         w2-no-prefix-cache) run w2_no_prefix_cache 300 python3 benchmarks/throughput.py --workload w2 \
                              --max-num-seqs 200 --max-model-len 3072 --recurrent-state-dtype \
                              bfloat16 --prefix-state-cache-slots 0 ;;
@@ -322,9 +323,7 @@ for stage in "$@"; do
                       --grid ${TUNE_GRID:-quick} \
                       --tokens ${TUNE_TOKENS:-1 256} --block-m ${TUNE_BLOCK_M:-1 16 32 64 128}
                   cp plugins/kernels_moe/qllm_kernels_moe/configs/*.json "$out"/moe_configs.json ;;
-        w3) run w3 200 python3 benchmarks/throughput.py --workload w3 --max-num-seqs 1 \
-                --max-model-len 1024 --recurrent-state-dtype bfloat16 \
-                --profile-decode 1 512 --profile-out "$out" ;;
+        w3) w3_profiled w3 "$out" ;;
         w3-slot-tiles) table=plugins/kernels_moe/qllm_kernels_moe/configs/E=256,N=1024,K=2048.json
                        cp "$table" /tmp/moe-table-kept.json
                        stage_out=$out
@@ -333,10 +332,7 @@ for stage in "$@"; do
                            mkdir -p "$out"
                            python3 plugins/kernels_moe/benchmarks/bench_moe.py --set-entry 1 \
                                ${tile//+/ } > "$out/entry.json" || break
-                           run w3 200 python3 benchmarks/throughput.py --workload w3 \
-                               --max-num-seqs 1 --max-model-len 1024 \
-                               --recurrent-state-dtype bfloat16 --profile-decode 1 512 \
-                               --profile-out "$out"
+                           w3_profiled w3 "$out"
                            cp /tmp/moe-table-kept.json "$table"
                        done
                        out=$stage_out ;;
