@@ -243,6 +243,13 @@ def write_table(path: Path, meta: dict, entries: dict[int, dict]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def read_table(path: Path) -> tuple[dict, dict[int, dict]]:
+    """The table at ``path`` as ``(its other fields, {tokens: entry})`` (``write_table``'s
+    arguments)."""
+    document = json.loads(path.read_text())
+    return document, {int(key): value for key, value in document.pop("configs").items()}
+
+
 def parse_tile(spec: str) -> tuple[str, dict]:
     """``GEMM=BLOCK_N,BLOCK_K,num_warps,num_stages`` (GEMM ``up`` or ``down``) -> ``(GEMM,
     those four fields)``."""
@@ -257,8 +264,7 @@ def parse_tile(spec: str) -> tuple[str, dict]:
 def set_entry(tokens: int, tiles: list[str], path: Path) -> dict:
     """Write ``tiles`` (``parse_tile`` specs) into the entry for ``tokens`` of the table at
     ``path``, its other fields kept and its tuning record dropped; returns the entry replaced."""
-    document = json.loads(path.read_text())
-    entries = {int(key): value for key, value in document.pop("configs").items()}
+    document, entries = read_table(path)
     if tokens not in entries:
         raise ValueError(f"{path.name} has no entry for {tokens} tokens: {sorted(entries)}")
     replaced = entries[tokens]
@@ -273,8 +279,7 @@ def set_entry(tokens: int, tiles: list[str], path: Path) -> dict:
 
 def tune(token_counts: list[int], grid: dict, block_ms: tuple[int, ...] = BLOCK_MS) -> None:
     path = config_path(EXPERTS, 2 * INTER, HIDDEN)
-    document = json.loads(path.read_text())
-    entries = {int(key): value for key, value in document.pop("configs").items()}
+    document, entries = read_table(path)
     device = torch.cuda.get_device_name()
     for tokens in token_counts:
         config, ms = tune_tokens(tokens, grid, block_ms)
