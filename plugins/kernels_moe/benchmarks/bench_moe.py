@@ -20,7 +20,8 @@ winner against the reference and rewrites the shipped table
 (``qllm_kernels_moe/configs/E=256,N=1024,K=2048.json``) entry by entry, so a sweep can be split
 over several runs with ``--tokens`` and ``--block-m``: an entry records its time
 (``tuned_ms``), and a later sweep on the same device replaces it only when faster (delete
-``tuned_ms`` after a kernel change). The full sweep takes the better part of an hour;
+``tuned_ms`` after a kernel change); an entry chosen end to end (``chosen_end_to_end``: how
+and where) is kept (delete the field to sweep it). The full sweep takes the better part of an hour;
 ``--grid quick`` tries fewer tiles; ``--grid decode`` the tiles of weight-streaming decode
 batches.
 
@@ -263,12 +264,14 @@ def parse_tile(spec: str) -> tuple[str, dict]:
 
 def set_entry(tokens: int, tiles: list[str], path: Path) -> dict:
     """Write ``tiles`` (``parse_tile`` specs) into the entry for ``tokens`` of the table at
-    ``path``, its other fields kept and its tuning record dropped; returns the entry replaced."""
+    ``path``, its other fields kept and its record of how it was chosen (tuned or end to end)
+    dropped; returns the entry replaced."""
     document, entries = read_table(path)
     if tokens not in entries:
         raise ValueError(f"{path.name} has no entry for {tokens} tokens: {sorted(entries)}")
     replaced = entries[tokens]
-    entry = {key: value for key, value in replaced.items() if key != "tuned_ms"}
+    entry = {key: value for key, value in replaced.items()
+             if key not in ("tuned_ms", "chosen_end_to_end")}
     entry["tuned_on"] = None
     for gemm, fields in map(parse_tile, tiles):
         entry[gemm] = {**entry[gemm], **fields}
@@ -284,6 +287,10 @@ def tune(token_counts: list[int], grid: dict, block_ms: tuple[int, ...] = BLOCK_
     for tokens in token_counts:
         config, ms = tune_tokens(tokens, grid, block_ms)
         kept = entries.get(tokens, {})
+        if kept.get("chosen_end_to_end"):  # the op alone does not see what chose it
+            print(f"T={tokens}: {ms:.4f} ms with {config}; kept the entry chosen end to end "
+                  f"({kept['chosen_end_to_end']})", flush=True)
+            continue
         if kept.get("tuned_on") == device and kept.get("tuned_ms", float("inf")) <= ms:
             # a sweep over other BLOCK_M values found something faster before
             print(f"T={tokens}: {ms:.4f} ms with {config}; kept the entry's "

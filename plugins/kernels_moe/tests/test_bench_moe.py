@@ -27,6 +27,7 @@ def test_set_entry_rewrites_one_entry_of_a_table(tmp_path):
     assert replaced == before["configs"]["1"]
     entry = after["configs"]["1"]
     assert entry["tuned_on"] is None and "tuned_ms" not in entry
+    assert "chosen_end_to_end" not in entry  # the shipped one-token entry's, of other tiles
     assert entry["BLOCK_M"] == replaced["BLOCK_M"]
     table = load_table(EXPERTS, 2 * INTER, HIDDEN, tmp_path)
     assert table[1].up == GemmConfig(2, 2048, replaced["up"]["GROUP_M"], 4, 1)
