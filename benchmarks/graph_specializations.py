@@ -42,8 +42,7 @@ def decode_calls(batch: int, c) -> dict:
     """The kernel plugins' launchers as a decode step of ``batch`` sequences calls them, per
     op, for config ``c``."""
     from qllm_kernels_attention.triton_decode import decode_attention
-    from qllm_kernels_attention.triton_kv_store import store_kv
-    from qllm_kernels_attention.triton_qk_norm_rope import qk_norm_rope
+    from qllm_kernels_attention.triton_qk_norm_rope import qk_norm_rope_kv_store
     from qllm_kernels_gdn.triton_conv import conv1d_update
     from qllm_kernels_gdn.triton_norm import rms_norm_gated
     from qllm_kernels_gdn.triton_recurrent import gated_delta_rule
@@ -77,11 +76,10 @@ def decode_calls(batch: int, c) -> dict:
             *slots),
         "rms_norm_gated": lambda: rms_norm_gated(meta(b, hv, dv), meta(b, hv, dv), meta(dv),
                                                  1e-6),
-        "qk_norm_rope": lambda: qk_norm_rope(meta(b, hq, d), meta(b, hkv, d), meta(d), meta(d),
-                                             meta(ROTARY_POSITIONS, rotary, dtype=F32),
-                                             meta(b, dtype=I64), 1e-6, True),
-        "kv_store": lambda: store_kv(*kv_cache, meta(b, hkv, d), meta(b, hkv, d),
-                                     meta(b, dtype=I64)),
+        "qk_norm_rope_kv_store": lambda: qk_norm_rope_kv_store(
+            meta(b, hq, d), meta(b, hkv, d), meta(b, hkv, d), meta(d), meta(d),
+            meta(ROTARY_POSITIONS, rotary, dtype=F32), meta(b, dtype=I64), 1e-6, True,
+            *kv_cache, meta(b, dtype=I64)),
         "paged_attention_decode": lambda: decode_attention(  # with Qwen3.5's output gate
             meta(b, hq, d), *kv_cache, meta(b, dtype=I32), meta(b, 16, dtype=I32), d ** -0.5,
             meta(b, hq, d)),

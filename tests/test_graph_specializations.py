@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 STEP_KERNELS = {"_add_rms_norm_kernel", "_router_kernel", "_slot_gate_up_kernel",
                 "_slot_down_kernel", "_conv_update_kernel", "_gated_delta_rule_kernel",
-                "_rms_norm_gated_kernel", "_qk_norm_rope_kernel", "_kv_store_kernel",
+                "_rms_norm_gated_kernel", "_qk_norm_rope_kernel",
                 "_decode_split_kernel", "_decode_merge_kernel", "_gemv_kernel"}
 
 

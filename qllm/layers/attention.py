@@ -66,6 +66,12 @@ class PagedAttention(nn.Module):
         """``q [T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` -> ``[T, Hq, D]``, times
         ``sigmoid(gate [T, Hq, D])`` with a gate (in the decode op's epilogue)."""
         self._store(self.k_cache, self.v_cache, k, v, batch.caches["paged_kv"].slot_mapping)
+        return self.attend(q, batch, gate)
+
+    def attend(self, q: torch.Tensor, batch: ForwardBatch,
+               gate: torch.Tensor | None = None) -> torch.Tensor:
+        """``forward`` once the step's keys and values are in the cache (stored by ``forward``,
+        or with the RoPE by ``QKNormRotary.rotate_and_store``)."""
         if batch.is_prefill:
             out = self._prefill(q, self.k_cache, self.v_cache, batch, self.scale)
             return out if gate is None else output_gated(out, gate)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qllm.batch import ForwardBatch
+from qllm.layers.attention import PagedAttention
 from qllm.layers.norm import RMSNorm
 from qllm.plugins.registry import Kernels
 
@@ -42,6 +44,7 @@ class QKNormRotary(nn.Module):
         self.register_buffer("cos_sin", torch.empty(max_positions, rotary_dim),
                              persistent=False)
         self._qk_norm_rope = kernels.qk_norm_rope
+        self._qk_norm_rope_kv_store = kernels.qk_norm_rope_kv_store
 
     def reset_derived_buffers(self) -> None:
         device = self.cos_sin.device
@@ -52,12 +55,30 @@ class QKNormRotary(nn.Module):
         cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, rotary_dim]
         self.cos_sin.copy_(cos_sin.to(self.cos_sin.dtype))
 
+    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [T]`` -> the op's ``(cos_sin [P, R], rows [T])``: the table and the row
+        that rotates each token."""
+        return self.cos_sin, positions
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 q_norm: RMSNorm, k_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [T]``, ``q [T, Hq, D]``, ``k [T, Hk, D]`` -> normalised and rotated
         ``(q, k)``; ``q_norm`` and ``k_norm`` share one eps and flavour."""
-        return self._qk_norm_rope(q, k, q_norm.weight, k_norm.weight, self.cos_sin, positions,
+        cos_sin, rows = self.table(positions)
+        return self._qk_norm_rope(q, k, q_norm.weight, k_norm.weight, cos_sin, rows,
                                   q_norm.eps, q_norm.zero_centered)
+
+    def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
+                         attention: PagedAttention, batch: ForwardBatch) -> torch.Tensor:
+        """``forward``, its keys and ``v [T, Hk, D]`` then stored in ``attention``'s paged
+        cache at the step's slots, in one op (``qk_norm_rope_kv_store``) -> the normalised
+        and rotated ``q``; ``attention.attend`` follows."""
+        cos_sin, rows = self.table(positions)
+        return self._qk_norm_rope_kv_store(
+            q, k, v, q_norm.weight, k_norm.weight, cos_sin, rows, q_norm.eps,
+            q_norm.zero_centered, attention.k_cache, attention.v_cache,
+            batch.caches["paged_kv"].slot_mapping)
 
 
 def mrope_axes(mrope_section: list[int], num_frequencies: int, interleaved: bool) -> list[int]:
@@ -94,14 +115,11 @@ class MultiAxisQKNormRotary(QKNormRotary):
         super().reset_derived_buffers()
         self.column_axis.copy_(torch.tensor(self.column_axes))
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                q_norm: RMSNorm, k_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions [T]`` or ``[3, T]``; otherwise as ``QKNormRotary.forward``."""
+    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [T]`` or ``[3, T]``; otherwise as ``QKNormRotary.table``."""
         if positions.dim() == 1:
-            return super().forward(positions, q, k, q_norm, k_norm)
+            return super().table(positions)
         rows = self.cos_sin[positions]  # [3, T, R]
         index = self.column_axis.expand(1, rows.shape[1], -1)  # [1, T, R]
         cos_sin = rows.gather(0, index)[0]  # [T, R]: each column from its axis' position
-        tokens = torch.arange(cos_sin.shape[0], device=cos_sin.device)
-        return self._qk_norm_rope(q, k, q_norm.weight, k_norm.weight, cos_sin, tokens,
-                                  q_norm.eps, q_norm.zero_centered)
+        return cos_sin, torch.arange(cos_sin.shape[0], device=cos_sin.device)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from qllm.batch import ForwardBatch
+from qllm.ops.rope import qk_norm_rope
 
 
 def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -26,6 +27,19 @@ def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     blocks, offsets = slot_mapping // k_cache.shape[1], slot_mapping % k_cache.shape[1]
     k_cache.index_put_((blocks, offsets), k.to(k_cache.dtype))
     v_cache.index_put_((blocks, offsets), v.to(v_cache.dtype))
+
+
+def qk_norm_rope_kv_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          q_weight: torch.Tensor, k_weight: torch.Tensor,
+                          cos_sin: torch.Tensor, positions: torch.Tensor, eps: float,
+                          zero_centered: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> torch.Tensor:
+    """``qk_norm_rope`` (``qllm.ops.rope``), then ``kv_store`` of its keys and ``v [T, Hk, D]``
+    at ``slot_mapping [T]``: the step's new keys and values in the caches, in place. Returns
+    the normalised and rotated ``q [T, Hq, D]``."""
+    q, k = qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions, eps, zero_centered)
+    kv_store(k_cache, v_cache, k, v, slot_mapping)
+    return q
 
 
 def _gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,8 @@ CORE_OPS: tuple[OpContract, ...] = (
                "per-head RMSNorm of q and k, then the rotary embedding"),
     OpContract("kv_store", attention.kv_store,
                "writes a step's keys and values into the paged KV cache, in place"),
+    OpContract("qk_norm_rope_kv_store", attention.qk_norm_rope_kv_store,
+               "qk_norm_rope, its keys and the values then written into the paged KV cache"),
     OpContract("paged_attention_prefill", attention.paged_attention_prefill,
                "causal attention of packed new tokens over the paged KV cache (eager)"),
     OpContract("paged_attention_decode", attention.paged_attention_decode,

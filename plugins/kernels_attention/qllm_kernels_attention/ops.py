@@ -79,13 +79,52 @@ def _kv_store_fake(k_cache, v_cache, k, v, slot_mapping):
     return None
 
 
+@torch.library.custom_op("qllm_attn::qk_norm_rope_kv_store",
+                         mutates_args=("k_cache", "v_cache"))
+def qk_norm_rope_kv_store_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                q_weight: torch.Tensor, k_weight: torch.Tensor,
+                                cos_sin: torch.Tensor, positions: torch.Tensor, eps: float,
+                                zero_centered: bool, k_cache: torch.Tensor,
+                                v_cache: torch.Tensor, slot_mapping: torch.Tensor
+                                ) -> torch.Tensor:
+    """``qk_norm_rope_heads`` with the keys, and ``v [T, Hk, D]``, written into the paged
+    caches at ``slot_mapping [T]`` in place -> a new contiguous ``q``."""
+    from qllm_kernels_attention.triton_qk_norm_rope import qk_norm_rope_kv_store as launch
+
+    return launch(q, k, v, q_weight, k_weight, cos_sin, positions, eps, zero_centered,
+                  k_cache, v_cache, slot_mapping)
+
+
+@qk_norm_rope_kv_store_heads.register_fake
+def _qk_norm_rope_kv_store_heads_fake(q, k, v, q_weight, k_weight, cos_sin, positions, eps,
+                                      zero_centered, k_cache, v_cache, slot_mapping):
+    return q.new_empty(q.shape)
+
+
+def _unit_last_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernels read rows with stride 1 (a copy only for an unusual layout)."""
+    return tuple(x if x.stride(-1) == 1 else x.contiguous() for x in tensors)
+
+
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
                  k_weight: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor,
                  eps: float, zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``qk_norm_rope`` for qllm (see ``qllm.ops.rope``); any token and head strides."""
-    q, k, cos_sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, cos_sin))
+    q, k, cos_sin = _unit_last_stride(q, k, cos_sin)
     return qk_norm_rope_heads(q, k, q_weight, k_weight, cos_sin, positions, eps,
                               zero_centered)
+
+
+def qk_norm_rope_kv_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          q_weight: torch.Tensor, k_weight: torch.Tensor,
+                          cos_sin: torch.Tensor, positions: torch.Tensor, eps: float,
+                          zero_centered: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> torch.Tensor:
+    """``qk_norm_rope_kv_store`` for qllm (see ``qllm.ops.attention``): one kernel, any token
+    and head strides of ``q``, ``k`` and ``v``."""
+    q, k, v, cos_sin = _unit_last_stride(q, k, v, cos_sin)
+    return qk_norm_rope_kv_store_heads(q, k, v, q_weight, k_weight, cos_sin, positions, eps,
+                                       zero_centered, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -2,7 +2,8 @@
 
 - ``triton`` (priority 10): ``paged_attention_decode`` / ``paged_attention_prefill`` on CUDA
   in fp16/bf16 when Triton is importable, and ``qk_norm_rope`` (the q/k norms and RoPE before
-  them) and ``kv_store`` (the new keys and values into the paged cache) in any float dtype.
+  them), ``kv_store`` (the new keys and values into the paged cache) and the two in one kernel,
+  ``qk_norm_rope_kv_store``, in any float dtype.
 - ``flash_attn`` (priority 20): the same two ops through FlashAttention-2, registered only
   when ``vllm_flash_attn`` or ``flash_attn`` is installed.
 
@@ -35,6 +36,8 @@ def _triton_specs() -> list[KernelSpec]:
                    is_available=triton_on_cuda(FLOAT_DTYPES)),
         KernelSpec(op="kv_store", name="triton", fn=ops.kv_store, priority=10,
                    is_available=triton_on_cuda(FLOAT_DTYPES)),
+        KernelSpec(op="qk_norm_rope_kv_store", name="triton", fn=ops.qk_norm_rope_kv_store,
+                   priority=10, is_available=triton_on_cuda(FLOAT_DTYPES)),
     ]
 
 

@@ -144,6 +144,9 @@ def opcheck_ops(device: str, dtype: torch.dtype) -> None:
                                                              dtype=dtype, device=device))
     torch.library.opcheck(ops.kv_store, kv_store_inputs(TINY_KV_STORE["decode-gqa2-d16-p4"],
                                                         dtype, device))
+    torch.library.opcheck(ops.qk_norm_rope_kv_store_heads,
+                          qk_norm_rope_kv_store_inputs(TINY_QK_STORE["decode-partial-zc"],
+                                                       dtype, device))
 
 
 # name -> q heads, k heads, head dim, rotary dims, zero-centred norm weights
@@ -188,6 +191,37 @@ def check_kv_store(case: dict, dtype: torch.dtype, device: str, cache_dtype=None
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
+def qk_norm_rope_kv_store_inputs(case: tuple, dtype: torch.dtype, device: str,
+                                 cache_dtype=None) -> tuple:
+    """``qk_norm_rope_kv_store``'s arguments for ``case`` (paged_inputs case, rotary dims,
+    zero-centred weights): ``qk_inputs`` and ``kv_store_inputs`` of its new tokens."""
+    paged, rotary_dim, zero_centered = case
+    k_cache, v_cache, _, v, slot_mapping = kv_store_inputs(paged, dtype, device, cache_dtype)
+    q, k, *rest = qk_inputs(paged["q_heads"], paged["kv_heads"], paged["head_dim"], rotary_dim,
+                            zero_centered, tokens=v.shape[0], dtype=dtype, device=device)
+    return (q, k, v, *rest, k_cache, v_cache, slot_mapping)
+
+
+def check_qk_norm_rope_kv_store(case: tuple, dtype: torch.dtype, device: str,
+                                cache_dtype=None) -> None:
+    """The fused kernel writes the bits of the q/k norm + RoPE kernel followed by the K/V
+    store kernel (q and both caches), and matches the plain-torch reference."""
+    q, k, v, *rest, k_cache, v_cache, slot_mapping = qk_norm_rope_kv_store_inputs(
+        case, dtype, device, cache_dtype)
+    unfused_k, unfused_v = k_cache.clone(), v_cache.clone()
+    reference_k, reference_v = k_cache.float(), v_cache.float()
+    unfused_q, rotated_k = ops.qk_norm_rope(q, k, *rest)
+    ops.kv_store(unfused_k, unfused_v, rotated_k, v, slot_mapping)
+    out = ops.qk_norm_rope_kv_store(q, k, v, *rest, k_cache, v_cache, slot_mapping)
+    assert out.is_contiguous() and torch.equal(out, unfused_q)
+    assert torch.equal(k_cache, unfused_k) and torch.equal(v_cache, unfused_v)
+    expected_q = attention.qk_norm_rope_kv_store(q, k, v, *rest, reference_k, reference_v,
+                                                 slot_mapping)
+    _assert_close(out, expected_q.float(), dtype)
+    _assert_close(k_cache, reference_k, k_cache.dtype)
+    assert torch.equal(v_cache, reference_v.to(v_cache.dtype))
+
+
 # name -> paged_inputs case (the new tokens are the rows stored)
 GPU_KV_STORE = {"decode-b64-gqa2-d128-p256": GPU_DECODE["b64-gqa2-d128-p256"],
                 "decode-qwen3.5-d256-p32": _decode_case(16, 2, 256, 32, [700]),
@@ -196,6 +230,15 @@ GPU_KV_STORE = {"decode-b64-gqa2-d128-p256": GPU_DECODE["b64-gqa2-d128-p256"],
 TINY_KV_STORE = {"decode-gqa2-d16-p4": TINY_DECODE["gqa2-d16-p4"],
                  "prefill-gqa3-d32-p4": TINY_PREFILL["prefix-gqa3-d32-p4"],
                  "heads3-d12-p8": _prefill_case(3, 3, 12, 8, [9, 2], [0, 5])}
+# name -> paged_inputs case, rotary dims, zero-centred norm weights
+GPU_QK_STORE = {"qwen3.5-decode": (GPU_KV_STORE["decode-qwen3.5-d256-p32"], 64, True),
+                "qwen3-decode-b64": (GPU_KV_STORE["decode-b64-gqa2-d128-p256"], 128, False),
+                "qwen3-prefill": (_prefill_case(16, 8, 128, 16, [300, 77], [0, 40]), 128,
+                                  False)}
+TINY_QK_STORE = {"decode-partial-zc": (TINY_DECODE["gqa2-d16-p4"], 8, True),
+                 "prefill-full": (TINY_PREFILL["prefix-gqa3-d32-p4"], 32, False),
+                 # past PER_HEAD_MAX_TOKENS: a program per token, every head at once
+                 "prefill-300-half6": (_prefill_case(3, 1, 12, 8, [300], [5]), 12, False)}
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -230,6 +273,13 @@ def test_kv_store_parity(case, dtype):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", GPU_QK_STORE.values(), ids=GPU_QK_STORE.keys())
+def test_qk_norm_rope_kv_store_parity(case, dtype):
+    check_qk_norm_rope_kv_store(case, dtype, "cuda")
+
+
+@cuda
 def test_kv_store_casts_to_the_cache_dtype():
     check_kv_store(GPU_KV_STORE["decode-qwen3.5-d256-p32"], torch.float32, "cuda",
                    cache_dtype=torch.bfloat16)
@@ -240,6 +290,22 @@ def test_compiled_kv_store_writes_in_place():
     """Compiled, the store writes into the cache, not into a copy of it (a functionalized
     mutation copied back would cost each layer its whole cache twice per step)."""
     assert_compiled_store_in_place(ops.kv_store)
+
+
+@cuda
+def test_compiled_qk_norm_rope_kv_store_writes_in_place():
+    """The same of the q/k norm + RoPE storing its keys and the values (MHA, 8 heads of 128:
+    the helper's keys serve as queries too)."""
+    weight = torch.rand(128, device="cuda").to(torch.bfloat16) + 0.5
+    cos_sin = torch.randn(64, 128, device="cuda")  # [positions, rotary dims]
+    positions = torch.arange(64, device="cuda")
+    norm_rope = (weight, weight, cos_sin, positions, 1e-6, False)
+
+    def rotate_and_store(k_cache, v_cache, k, v, slot_mapping):
+        ops.qk_norm_rope_kv_store(k, k, v, *norm_rope, k_cache, v_cache, slot_mapping)
+
+    assert_compiled_store_in_place(rotate_and_store,
+                                   lambda k: ops.qk_norm_rope(k, k, *norm_rope)[1])
 
 
 @cuda
@@ -282,12 +348,12 @@ PDL_DECODE = _decode_case(16, 2, 256, 32, [700])
 
 @cuda
 @pytest.mark.parametrize("step", ["qk_norm_rope", "paged_decode", "qk_norm_rope+paged_decode",
-                                  "kv_store+paged_decode"])
+                                  "kv_store+paged_decode", "qk_norm_rope_kv_store+paged_decode"])
 def test_pdl_decode_in_cuda_graph(step, monkeypatch):
     """With ``QLLM_PDL`` on, Qwen3.5's attention decode at one token: the q/k norm + RoPE, the
     split and merge kernels of the decode, the first feeding the second, and the K/V store
-    before the decode, eagerly and in a CUDA graph replayed 100 times, give the bits of PDL
-    off."""
+    before the decode (its own kernel, or the q/k norm + RoPE storing them), eagerly and in a
+    CUDA graph replayed 100 times, give the bits of PDL off."""
     require_pdl_gpu()
     x = paged_inputs(**PDL_DECODE, device="cuda")
     qk_args = qk_inputs(**GPU_QK["qwen3.5"], tokens=1, dtype=torch.bfloat16, device="cuda")
@@ -300,10 +366,16 @@ def test_pdl_decode_in_cuda_graph(step, monkeypatch):
         ops.kv_store(x.k_cache, x.v_cache, new_k, new_v, slot_mapping)
         return attend(x.q)
 
+    def rotate_store_attend() -> torch.Tensor:
+        q, k, *rest = qk_args
+        return attend(ops.qk_norm_rope_kv_store(q, k, new_v, *rest, x.k_cache, x.v_cache,
+                                                slot_mapping))
+
     steps = {"qk_norm_rope": lambda: ops.qk_norm_rope(*qk_args),
              "paged_decode": lambda: attend(x.q),
              "qk_norm_rope+paged_decode": lambda: attend(ops.qk_norm_rope(*qk_args)[0]),
-             "kv_store+paged_decode": store_then_attend}
+             "kv_store+paged_decode": store_then_attend,
+             "qk_norm_rope_kv_store+paged_decode": rotate_store_attend}
     assert_graph_bits_equal(steps[step], monkeypatch)
 
 
@@ -369,22 +441,39 @@ def test_kv_store_compiles_on_fake_path():
     assert called_ops(graph) == [torch.ops.qllm_attn.kv_store.default]
 
 
+def test_qk_norm_rope_kv_store_compiles_on_fake_path():
+    """The q/k norm + RoPE storing K/V traces into one ``fullgraph`` node over meta tensors,
+    its caches mutated in place."""
+    args = [a.to("meta") if isinstance(a, torch.Tensor) else a
+            for a in qk_norm_rope_kv_store_inputs(TINY_QK_STORE["decode-partial-zc"],
+                                                  torch.bfloat16, "cpu")]
+
+    def run(backend):
+        q = torch.compile(ops.qk_norm_rope_kv_store, fullgraph=True, backend=backend)(*args)
+        assert q.device.type == "meta" and q.shape == args[0].shape and q.is_contiguous()
+
+    (graph,) = graphs_traced_by(run)
+    assert called_ops(graph) == [torch.ops.qllm_attn.qk_norm_rope_kv_store.default]
+
+
 def test_plugin_registrations():
     registry = PluginRegistry(extra_plugins=[plugin], load_entry_points=False)
     best = "flash_attn" if plugin.HAS_FLASH_ATTN else "triton" if HAS_TRITON else "torch"
     any_float = "triton" if HAS_TRITON else "torch"  # ops registered for every float dtype
     names = registry.kernels(torch.device("cuda"), torch.bfloat16).names()
     assert names["paged_attention_decode"] == names["paged_attention_prefill"] == best
-    assert names["kv_store"] == names["qk_norm_rope"] == any_float
+    any_float_ops = ("kv_store", "qk_norm_rope", "qk_norm_rope_kv_store")
+    assert {names[op] for op in any_float_ops} == {any_float}
     names = registry.kernels(torch.device("cuda"), torch.float32).names()
-    assert names["kv_store"] == names["qk_norm_rope"] == any_float
-    assert {names[op] for op in names if op not in ("kv_store", "qk_norm_rope")} == {"torch"}
+    assert {names[op] for op in any_float_ops} == {any_float}
+    assert {names[op] for op in names if op not in any_float_ops} == {"torch"}
     names = registry.kernels(torch.device("cpu"), torch.bfloat16).names()
     assert set(names.values()) == {"torch"}
 
 
 def _pdl_launch(op: str):
-    """The launch of the q/k norm + RoPE, of the decode's split and merge kernels (four
+    """The launch of the q/k norm + RoPE (alone or storing K/V), of the decode's split and
+    merge kernels (four
     splits: the SM count stands in as 4 off the GPU), or of the K/V store, for Qwen3.5's
     attention at one token, on ``meta`` tensors."""
     from qllm_kernels_attention.triton_decode import decode_attention
@@ -395,6 +484,16 @@ def _pdl_launch(op: str):
             **GPU_QK["qwen3.5"], tokens=1, dtype=torch.bfloat16, device="cpu")
         tensors = on_meta(q, k, *weights, cos_sin, positions)
         return lambda: qk_norm_rope(*tensors, eps, zero_centered)
+    if op == "qk_norm_rope_kv_store":
+        from qllm_kernels_attention.triton_qk_norm_rope import qk_norm_rope_kv_store
+
+        k_cache, v_cache, _, v, slot_mapping = kv_store_inputs(PDL_DECODE, torch.bfloat16,
+                                                               "cpu")
+        q, k, *weights, cos_sin, positions, eps, zero_centered = qk_inputs(
+            **GPU_QK["qwen3.5"], tokens=1, dtype=torch.bfloat16, device="cpu")
+        tensors = on_meta(q, k, v, *weights, cos_sin, positions)
+        caches = on_meta(k_cache, v_cache, slot_mapping)
+        return lambda: qk_norm_rope_kv_store(*tensors, eps, zero_centered, *caches)
     if op == "kv_store":
         from qllm_kernels_attention.triton_kv_store import store_kv
 
@@ -407,9 +506,11 @@ def _pdl_launch(op: str):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("op", ["qk_norm_rope", "paged_decode", "kv_store"])
+@pytest.mark.parametrize("op", ["qk_norm_rope", "paged_decode", "kv_store",
+                                "qk_norm_rope_kv_store"])
 def test_pdl_sass(op, monkeypatch):
-    """The q/k norm + RoPE kernel, the decode's split and merge kernels and the K/V store,
+    """The q/k norm + RoPE kernel (alone and storing K/V), the decode's split and merge
+    kernels and the K/V store,
     compiled for sm_90 as launched: with PDL each waits before any store, the decode's at
     entry, the others after reading the step's positions or slots and the weights
     (``qllm.testing.pdl.assert_pdl_sass``); without, no grid-dependency-control
@@ -451,6 +552,19 @@ def test_interpreted_qk_norm_rope(case, tokens, dtype):
 @pytest.mark.parametrize("case", TINY_KV_STORE.values(), ids=TINY_KV_STORE.keys())
 def test_interpreted_kv_store(case, dtype):
     check_kv_store(case, dtype, "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("case", TINY_QK_STORE.values(), ids=TINY_QK_STORE.keys())
+def test_interpreted_qk_norm_rope_kv_store(case, dtype):
+    check_qk_norm_rope_kv_store(case, dtype, "cpu")
+
+
+@interpreted
+def test_interpreted_qk_norm_rope_kv_store_casts_to_the_cache_dtype():
+    check_qk_norm_rope_kv_store(TINY_QK_STORE["decode-partial-zc"], torch.float32, "cpu",
+                                cache_dtype=torch.float16)
 
 
 @interpreted

@@ -47,8 +47,9 @@ class Qwen3Attention(nn.Module):
         q = q.unflatten(-1, (self.num_heads, self.head_dim))     # [T, Hq, D]
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
-        q, k = self.qk_rotary(positions, q, k, self.q_norm, self.k_norm)
-        out = self.attn(q, k, v, batch)                                       # [T, Hq, D]
+        q = self.qk_rotary.rotate_and_store(positions, q, k, v, self.q_norm, self.k_norm,
+                                            self.attn, batch)  # k, v into the cache
+        out = self.attn.attend(q, batch)                                      # [T, Hq, D]
         return self.o_proj(out.flatten(-2))
 
 

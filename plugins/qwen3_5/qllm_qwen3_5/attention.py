@@ -57,6 +57,7 @@ class GatedAttention(nn.Module):
         q, gate = q_gate.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
-        q, k = self.qk_rotary(positions, q, k, self.q_norm, self.k_norm)  # q: [T, Hq, D]
-        out = self.attn(q, k, v, batch, gate)                                 # [T, Hq, D]
+        q = self.qk_rotary.rotate_and_store(positions, q, k, v, self.q_norm, self.k_norm,
+                                            self.attn, batch)  # k, v into the cache
+        out = self.attn.attend(q, batch, gate)                                # [T, Hq, D]
         return self.o_proj(out.flatten(-2))
