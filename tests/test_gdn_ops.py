@@ -262,5 +262,6 @@ def test_registered_as_builtin_kernels():
     from qllm.plugins.registry import PluginRegistry
 
     kernels = PluginRegistry(load_entry_points=False).kernels(torch.device("cpu"), torch.float32)
-    for op in ("causal_conv1d_prefill", "causal_conv1d_update", "gdn_prefill", "gdn_decode"):
+    for op in ("causal_conv1d_prefill", "causal_conv1d_update", "gdn_prefill", "gdn_decode",
+               "gdn_decode_gated_norm"):
         assert getattr(kernels, op) is getattr(gdn, op)

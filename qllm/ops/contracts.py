@@ -54,6 +54,8 @@ CORE_OPS: tuple[OpContract, ...] = (
                "the chunked gated delta rule over packed new tokens, carrying the state"),
     OpContract("gdn_decode", gdn.gdn_decode,
                "one recurrent gated-delta-rule step per sequence (graph-capturable)"),
+    OpContract("gdn_decode_gated_norm", gdn.gdn_decode_gated_norm,
+               "gdn_decode, then the layer's gated RMSNorm of its output (graph-capturable)"),
     OpContract("moe_router", moe.moe_router,
                "softmax top-k routing, then the shared expert's sigmoid-gated slot"),
     OpContract("fused_moe", moe.fused_moe,

@@ -1,6 +1,6 @@
 """Plain-torch reference kernels for Gated DeltaNet (CPU-correct; the GPU kernels' oracle).
 
-Four ops, registered in ``qllm.plugins.builtins`` under these names:
+Five ops, registered in ``qllm.plugins.builtins`` under these names:
 
 - ``causal_conv1d_prefill`` / ``causal_conv1d_update``: the depthwise causal conv over the
   ``[q | k | v]`` channels, **with the SiLU applied inside** (as ``causal_conv1d_fn(...,
@@ -8,7 +8,7 @@ Four ops, registered in ``qllm.plugins.builtins`` under these names:
   Prefill returns q, k and v as separate contiguous tensors (chunked kernels read them so);
   decode returns ``[B, C]``, whose column views the recurrent kernel reads in place.
 - ``gdn_prefill`` (chunked form, chunk 64) / ``gdn_decode`` (recurrent single step): the gated
-  delta rule.
+  delta rule; ``gdn_decode_gated_norm``: ``gdn_decode`` and the layer's gated RMSNorm after it.
 
 Split of work between the model layer and these ops (matching transformers'
 ``Qwen3_5GatedDeltaNet`` with ``use_qk_l2norm_in_kernel=True``, and fla's kernel API):
@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from qllm.batch import ForwardBatch
+from qllm.ops.norm import rms_norm_gated
 
 CHUNK_SIZE = 64
 L2NORM_EPS = 1e-6
@@ -236,3 +237,15 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
     out = torch.einsum("bhkv,bhk->bhv", state, q)  # [B, Hv, dv]
     ssm_state.index_copy_(0, batch.caches["recurrent_slot"].slots, state.to(ssm_state.dtype))
     return out.to(out_dtype)
+
+
+def gdn_decode_gated_norm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                          b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                          ssm_state: torch.Tensor, batch: ForwardBatch, gate: torch.Tensor,
+                          norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``gdn_decode``, its output ``o [B, Hv, dv]`` then through the layer's gated RMSNorm
+    (``rms_norm_gated(o, gate, norm_weight, eps)``, ``gate [B, Hv, dv]``, ``norm_weight [dv]``):
+    a decode step of a Gated DeltaNet layer up to its output projection. Returns ``[B, Hv, dv]``
+    in ``v.dtype``."""
+    out = gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_state, batch)
+    return rms_norm_gated(out, gate, norm_weight, eps)

@@ -21,11 +21,16 @@ sequence, token ``i`` of sequence ``i``) and varlen prefill (tokens split at ``c
 share the kernel; prefill walks each sequence sequentially, the fallback where fla's chunked
 kernels are missing.
 
+With ``norm`` (the ``gdn_decode_gated_norm`` op in small decode steps) a program holds a whole
+value head and puts each token's output through the layer's gated RMSNorm (``triton_norm``'s
+casts) before storing it, so the norm's own kernel does not run.
+
 In steps of at most ``PDL_MAX_ROWS`` tokens (``qllm.plugins.pdl``: decode at small batch, the
 shortest prefills) the kernel is launched with programmatic dependent launch and waits for the
 previous kernel (``qllm.plugins.pdl.pdl_wait``): in decode after reading its slot, its state
 tile and its head's parameters (no kernel of a decode step writes them before this one), in
-prefill at entry (a step's checkpoint rounds run the kernel more than once on one state).
+prefill at entry (a step's checkpoint rounds run the kernel more than once on one state);
+with the norm it reads the norm's weight before the wait too.
 """
 
 from __future__ import annotations
@@ -39,20 +44,38 @@ from qllm.plugins.pdl import pdl_arguments, pdl_release, pdl_wait
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus's: above it, softplus(x) is x
 MIN_PROGRAMS = 512  # below this many programs at the wider block, the narrower one fills the SMs
+# A program holding a whole head's [dk, dv] tile (the fused norm): 64 fp32 values a thread at
+# Qwen3.5's 128 x 128
+NORM_NUM_WARPS = 8
+
+
+@triton.jit
+def _gated_rms_norm(x, gate, weight, eps, DV: tl.constexpr):
+    """``rms_norm_gated`` of one head's output ``x [BV]`` (zero past ``DV``) with the casts
+    of ``triton_norm``: ``x_hat`` in fp32 rounded to ``x``'s dtype, times the plain ``weight
+    [BV]`` in fp32 rounded, times ``silu(gate)`` in fp32."""
+    x32 = x.to(tl.float32)
+    x_hat = (x32 * tl.rsqrt(tl.sum(x32 * x32, 0) / DV + eps)).to(x.dtype)
+    weighted = (weight.to(tl.float32) * x_hat.to(tl.float32)).to(x.dtype)
+    gate = gate.to(tl.float32)
+    return weighted.to(tl.float32) * (gate * tl.sigmoid(gate))
 
 
 @triton.jit
 def _gated_delta_rule_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, out_ptr, state_ptr,
-    cu_seqlens_ptr, slots_ptr, has_state_ptr,
-    scale, eps,
+    cu_seqlens_ptr, slots_ptr, has_state_ptr, gate_ptr, norm_weight_ptr,
+    scale, eps, norm_eps,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_a_tok, stride_a_head, stride_b_tok, stride_b_head,
-    stride_out_tok, stride_out_head,
+    stride_out_tok, stride_out_head, stride_gate_tok, stride_gate_head,
     stride_s_slot, stride_s_head, stride_s_k, stride_s_v,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr, USE_PDL: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr, NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    """With ``NORM`` (one block of ``BV >= DV`` value dims: a program holds a whole head) each
+    token's output goes through the layer's gated RMSNorm before it is stored."""
     pdl_release(USE_PDL)
     if VARLEN:  # a prefill's rounds may write the state before this launch: wait at entry
         pdl_wait(USE_PDL)
@@ -79,6 +102,8 @@ def _gated_delta_rule_kernel(
     h = tl.load(state, mask=mask_s & has_state, other=0.0).to(tl.float32)  # [BK, BV]
     decay_rate = tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+    if NORM:
+        norm_weight = tl.load(norm_weight_ptr + dims_v, mask=mask_v, other=0.0)  # [BV]
     if not VARLEN:  # decode: the slot and its state read before the wait (qllm.plugins.pdl)
         pdl_wait(USE_PDL)  # q, k, v are the conv's output, a and b the in_proj's
 
@@ -103,6 +128,10 @@ def _gated_delta_rule_kernel(
         delta = beta * (v - decay * tl.sum(h * k[:, None], 0))  # [BV]
         o = decay * tl.sum(h * q[:, None], 0) + delta * tl.sum(k * q, 0)  # [BV]
         h = h * decay + k[:, None] * delta[None, :]
+        if NORM:  # the gate is the in_proj's output
+            gate = tl.load(gate_ptr + t * stride_gate_tok + head * stride_gate_head + dims_v,
+                           mask=mask_v, other=0.0)  # [BV]
+            o = _gated_rms_norm(o.to(out_ptr.dtype.element_ty), gate, norm_weight, norm_eps, DV)
         tl.store(out_ptr + t * stride_out_tok + head * stride_out_head + dims_v,
                  o.to(out_ptr.dtype.element_ty), mask=mask_v)
     tl.store(state, h.to(state_ptr.dtype.element_ty), mask=mask_s)
@@ -144,31 +173,44 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
                      b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                      ssm_state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
                      cu_seqlens: torch.Tensor | None = None, block_v: int | None = None,
-                     num_warps: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None,
+                     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                     ) -> torch.Tensor:
     """``q, k [T, Hk, dk]`` raw, ``v [T, Hv, dv]``, gate inputs ``a, b [T, Hv]`` with
     ``A_log, dt_bias [Hv]``; ``ssm_state [S + 1, Hv, dk, dv]`` updated in place at
     ``slots [B]``. Without ``cu_seqlens`` (decode)
     ``T == B`` and token ``i`` belongs to sequence ``i``; with it, sequence ``i`` owns tokens
-    ``cu_seqlens[i]:cu_seqlens[i + 1]``. Returns ``o [T, Hv, dv]`` in ``v.dtype``.
-    ``block_v`` and ``num_warps`` override the launch configuration (for tuning)."""
+    ``cu_seqlens[i]:cu_seqlens[i + 1]``. Returns ``o [T, Hv, dv]`` in ``v.dtype``, or with
+    ``norm = (gate [T, Hv, dv], weight [dv], eps)`` ``rms_norm_gated(o, gate, weight, eps)``,
+    a program then holding a whole head (``NORM_NUM_WARPS``). ``block_v`` and ``num_warps``
+    override the launch configuration (for tuning)."""
     q, k, v = (_unit_last_stride(x) for x in (q, k, v))
     tokens, num_v_heads, dv = v.shape
     dk = q.shape[-1]
     num_seqs = slots.shape[0]
     out = v.new_empty(tokens, num_v_heads, dv)
-    default_block_v, default_warps = _launch_config(num_seqs, num_v_heads, dv, ssm_state)
+    if norm is None:
+        gate, norm_weight, norm_eps = None, None, 0.0
+        default_block_v, default_warps = _launch_config(num_seqs, num_v_heads, dv, ssm_state)
+    else:
+        gate, norm_weight, norm_eps = norm
+        gate = _unit_last_stride(gate)
+        default_block_v, default_warps = triton.next_power_of_2(dv), NORM_NUM_WARPS
     block_v, num_warps = block_v or default_block_v, num_warps or default_warps
+    if norm is not None and block_v < dv:
+        raise ValueError(f"gated_delta_rule with its norm needs a whole head per program: "
+                         f"block_v {block_v} < dv {dv}")
     grid = (triton.cdiv(dv, block_v), num_v_heads, num_seqs)
     A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()  # [Hv], read at the head
     _gated_delta_rule_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, out, ssm_state,
-        cu_seqlens, slots, has_state,
-        dk ** -0.5, L2NORM_EPS,
+        cu_seqlens, slots, has_state, gate, norm_weight,
+        dk ** -0.5, L2NORM_EPS, norm_eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), *(gate.stride()[:2] if norm else (0, 0)),
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
         GROUP=num_v_heads // q.shape[1], DK=dk, DV=dv,
         BK=triton.next_power_of_2(dk), BV=block_v, VARLEN=cu_seqlens is not None,
-        num_warps=num_warps, **pdl_arguments(v.device, tokens))
+        NORM=norm is not None, num_warps=num_warps, **pdl_arguments(v.device, tokens))
     return out

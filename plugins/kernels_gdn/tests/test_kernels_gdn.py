@@ -145,9 +145,18 @@ def check_gdn_prefill(impl: str, geometry: GDNGeometry, query_lens: list[int], h
 
 def check_gdn_decode(geometry: GDNGeometry, num_seqs: int, num_padding: int,
                      dtype: torch.dtype, state_dtype: torch.dtype, num_slots: int,
-                     device: str, contiguous_state: bool = False) -> None:
-    """Three chained steps, the first with some sequences starting fresh."""
+                     device: str, contiguous_state: bool = False,
+                     gated_norm: bool = False) -> None:
+    """Three chained steps, the first with some sequences starting fresh; with
+    ``gated_norm``, ``gdn_decode_gated_norm`` (a whole head per program up to
+    ``FUSED_NORM_MAX_ROWS`` sequences, two kernels above)."""
     tol = _tolerance("triton", dtype, state_dtype)
+    norm, ref_op, op = (), reference.gdn_decode, ops.gdn_decode
+    if gated_norm:
+        _, gate, norm_weight = norm_inputs(num_seqs + num_padding, geometry.num_v_heads,
+                                           geometry.head_v_dim, dtype, device)
+        norm = (gate, norm_weight, 1e-6)
+        ref_op, op = reference.gdn_decode_gated_norm, ops.gdn_decode_gated_norm
     state = ref_state = before = None
     for step in range(3):
         batch = random_batch([1] * num_seqs, num_slots,
@@ -157,8 +166,9 @@ def check_gdn_decode(geometry: GDNGeometry, num_seqs: int, num_padding: int,
                        contiguous_state=contiguous_state)
         if state is None:
             state, ref_state, before = x.ssm_state, x.ssm_state.clone(), x.ssm_state.clone()
-        ref = reference.gdn_decode(*dataclasses.replace(x, ssm_state=ref_state).args())
-        out = ops.gdn_decode(*dataclasses.replace(x, ssm_state=state).args())
+        ref = ref_op(*dataclasses.replace(x, ssm_state=ref_state).args(), *norm)
+        out = op(*dataclasses.replace(x, ssm_state=state).args(), *norm)
+        assert out.shape == ref.shape and out.dtype == dtype
         assert_close(out[:num_seqs], ref[:num_seqs], tol)
         assert_states(state, ref_state, before, batch, tol)
 
@@ -191,6 +201,10 @@ def opcheck_ops(device: str, dtype: torch.dtype, with_fla: bool) -> None:
                                    *_slot_fields(b)))
     x = gdn_inputs(decode, geometry, TINY_SLOTS, dtype, torch.float32)
     torch.library.opcheck(ops.recurrent_decode, (*x.args()[:8], *_slot_fields(decode)))
+    _, gate, norm_weight = norm_inputs(4, geometry.num_v_heads, geometry.head_v_dim, dtype,
+                                       device)
+    torch.library.opcheck(ops.recurrent_decode_gated_norm,
+                          (*x.args()[:8], *_slot_fields(decode), gate, norm_weight, 1e-6))
     torch.library.opcheck(ops.rms_norm_gated_heads, (*norm_inputs(3, 4, 8, dtype, device),
                                                      1e-6))
 
@@ -264,6 +278,15 @@ def test_gdn_prefill_parity(impl, geometry, lens, has_state, state_dtype, monkey
 def test_gdn_decode_parity(geometry, batch, state_dtype, contiguous_state):
     check_gdn_decode(geometry, *batch, torch.bfloat16, state_dtype, GPU_SLOTS, "cuda",
                      contiguous_state)
+
+
+@cuda
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
+@pytest.mark.parametrize("batch", GPU_DECODE.values(), ids=GPU_DECODE.keys())
+@pytest.mark.parametrize("geometry", GPU_GEOMETRIES.values(), ids=GPU_GEOMETRIES.keys())
+def test_gdn_decode_gated_norm_parity(geometry, batch, state_dtype):
+    check_gdn_decode(geometry, *batch, torch.bfloat16, state_dtype, GPU_SLOTS, "cuda",
+                     gated_norm=True)
 
 
 # tokens x value heads x value dim: decode at batch 1 and 200, a prefill chunk, dv 96
@@ -390,13 +413,16 @@ def _pdl_decode_steps(num_seqs: int) -> tuple[dict, Callable[[], None]]:
         "rms_norm_gated": lambda: ops.rms_norm_gated(x_heads, gate, norm_weight, 1e-6),
         "layer": lambda: (ops.rms_norm_gated(_decode_step(*args), gate, norm_weight, 1e-6),
                           conv_state, ssm_state),
+        "gdn_decode_gated_norm": lambda: (
+            ops.gdn_decode_gated_norm(*gdn.args(), gate, norm_weight, 1e-6), gdn.ssm_state),
     }
     return steps, reset
 
 
 @cuda
 @pytest.mark.parametrize("num_seqs", [1, 64], ids=["b1", "b64"])
-@pytest.mark.parametrize("step", ["conv_update", "gdn_decode", "rms_norm_gated", "layer"])
+@pytest.mark.parametrize("step", ["conv_update", "gdn_decode", "rms_norm_gated", "layer",
+                                  "gdn_decode_gated_norm"])
 def test_pdl_decode_in_cuda_graph(step, num_seqs, monkeypatch):
     """With ``QLLM_PDL`` on, each decode op, and the layer's chain of them, eagerly and in a
     CUDA graph replayed 100 times (the states restored before each), gives the outputs and
@@ -430,6 +456,8 @@ FAKE_CASES = {  # registered function, its custom op, the step's query lengths
     # a short step takes the recurrent kernel where fla is installed too
     "fla_gdn_prefill-short": (ops.fla_gdn_prefill, "recurrent_prefill", [5, 70, 1]),
     "gdn_decode": (ops.gdn_decode, "recurrent_decode", [1] * 3),
+    "gdn_decode_gated_norm": (ops.gdn_decode_gated_norm, "recurrent_decode_gated_norm",
+                              [1] * 3),
 }
 
 
@@ -448,6 +476,9 @@ def test_compile_fullgraph_on_fake_path(case):
                                torch.float32).args())
     if op_name == "conv1d_prefill":
         args.append(_qkv_sizes(geometry))
+    if op_name == "recurrent_decode_gated_norm":  # the gate and the norm's weight and eps
+        args += [*norm_inputs(3, geometry.num_v_heads, geometry.head_v_dim, torch.bfloat16,
+                              "cpu")[1:], 1e-6]
     args = [_to_meta(arg) for arg in args]
     tokens = args[0].shape[0]
     expected = ([(tokens, size) for size in _qkv_sizes(geometry)] if op_name == "conv1d_prefill"
@@ -484,12 +515,13 @@ def test_fla_chunk_indices_from_host_lengths():
 
 def test_plugin_registrations(monkeypatch):
     registry = PluginRegistry(extra_plugins=[plugin], load_entry_points=False)
-    ops_here = ("causal_conv1d_prefill", "causal_conv1d_update", "gdn_decode",
-                "rms_norm_gated", "gdn_prefill")
+    triton_ops = ("causal_conv1d_prefill", "causal_conv1d_update", "gdn_decode",
+                  "gdn_decode_gated_norm", "rms_norm_gated")
+    ops_here = (*triton_ops, "gdn_prefill")
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         names = registry.kernels(torch.device("cuda"), dtype).names()
         expected = "triton" if HAS_TRITON else "torch"
-        assert {op: names[op] for op in ops_here[:4]} == dict.fromkeys(ops_here[:4], expected)
+        assert {op: names[op] for op in triton_ops} == dict.fromkeys(triton_ops, expected)
         assert names["gdn_prefill"] == ("fla" if plugin.HAS_FLA and HAS_TRITON else expected)
     names = registry.kernels(torch.device("cpu"), torch.bfloat16).names()
     assert {names[op] for op in ops_here} == {"torch"}
@@ -509,17 +541,19 @@ def _pdl_launch(kernel: str) -> Callable[[], object]:
         conv = conv_inputs(batch, QWEN3_5_35B_A3B, TINY_SLOTS, torch.bfloat16, torch.bfloat16)
         conv_args = on_meta(conv.x, conv.weight, conv.conv_state)
         return lambda: triton_conv.conv1d_update(*conv_args, *slots)
-    if kernel == "gdn_decode":
-        gdn = gdn_inputs(batch, QWEN3_5_35B_A3B, TINY_SLOTS, torch.bfloat16, torch.float32)
-        gdn_args = on_meta(*gdn.args()[:8])
-        return lambda: triton_recurrent.gated_delta_rule(*gdn_args, *slots)
     norm_args = on_meta(*norm_inputs(1, QWEN3_5_35B_A3B.num_v_heads, QWEN3_5_35B_A3B.head_v_dim,
                                      torch.bfloat16, "cpu"))
+    if kernel.startswith("gdn_decode"):  # bf16 state, as W3 runs it
+        gdn = gdn_inputs(batch, QWEN3_5_35B_A3B, TINY_SLOTS, torch.bfloat16, torch.bfloat16)
+        gdn_args = on_meta(*gdn.args()[:8])
+        norm = dict(norm=(*norm_args[1:], 1e-6)) if kernel == "gdn_decode_gated_norm" else {}
+        return lambda: triton_recurrent.gated_delta_rule(*gdn_args, *slots, **norm)
     return lambda: triton_norm.rms_norm_gated(*norm_args, 1e-6)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("kernel", ["conv_update", "gdn_decode", "rms_norm_gated"])
+@pytest.mark.parametrize("kernel", ["conv_update", "gdn_decode", "rms_norm_gated",
+                                    "gdn_decode_gated_norm"])
 def test_pdl_sass(kernel, monkeypatch):
     """Each decode kernel compiled for sm_90 as launched: with PDL it waits before any store,
     after reading its parameters (and the conv and the recurrence their slots and state) and
@@ -570,6 +604,18 @@ def test_interpreted_gdn_prefill(geometry, lens, has_state, state_dtype, contigu
 def test_interpreted_gdn_decode(geometry, batch, state_dtype, contiguous_state):
     check_gdn_decode(geometry, *batch, torch.float32, state_dtype, TINY_SLOTS, "cpu",
                      contiguous_state)
+
+
+@interpreted
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernels"])
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
+@pytest.mark.parametrize("batch", TINY_DECODE.values(), ids=TINY_DECODE.keys())
+@pytest.mark.parametrize("geometry", TINY_GEOMETRIES.values(), ids=TINY_GEOMETRIES.keys())
+def test_interpreted_gdn_decode_gated_norm(geometry, batch, state_dtype, fused, monkeypatch):
+    if not fused:  # the path of steps over FUSED_NORM_MAX_ROWS sequences
+        monkeypatch.setattr(ops, "FUSED_NORM_MAX_ROWS", 0)
+    check_gdn_decode(geometry, *batch, torch.float32, state_dtype, TINY_SLOTS, "cpu",
+                     gated_norm=True)
 
 
 @interpreted

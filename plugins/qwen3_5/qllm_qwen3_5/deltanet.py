@@ -2,10 +2,11 @@
 
 Per step: one fused input projection -> causal depthwise conv1d + SiLU over ``[q | k | v]``
 (op ``causal_conv1d_prefill`` / ``causal_conv1d_update``) -> gated delta rule (op
-``gdn_prefill`` chunked / ``gdn_decode`` recurrent; the ops compute the ``g``/``beta`` gates
-from ``a``/``b``, L2-normalise q/k, expand key heads and scale q, see ``qllm.ops.gdn``) ->
-gated RMSNorm with ``z`` -> ``out_proj``. The conv and SSM states live in this layer's
-``recurrent_slot`` cache.
+``gdn_prefill`` chunked; the ops compute the ``g``/``beta`` gates from ``a``/``b``,
+L2-normalise q/k, expand key heads and scale q, see ``qllm.ops.gdn``) -> gated RMSNorm with
+``z`` (``rms_norm_gated``) -> ``out_proj``. In decode the recurrent step and the norm are one
+op, ``gdn_decode_gated_norm`` (one kernel in small steps). The conv and SSM states live in
+this layer's ``recurrent_slot`` cache.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ class GatedDeltaNet(nn.Module):
         self._conv_prefill = kernels.causal_conv1d_prefill
         self._conv_update = kernels.causal_conv1d_update
         self._gdn_prefill = kernels.gdn_prefill
-        self._gdn_decode = kernels.gdn_decode
+        self._gdn_decode_gated_norm = kernels.gdn_decode_gated_norm
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """``A_log`` / ``dt_bias`` ``[Hv]``: this rank's value heads."""
@@ -180,28 +181,41 @@ class GatedDeltaNet(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``hidden [T, H]`` -> ``[T, H]``."""
         qkv, z, b, a = self.in_proj.split(self.in_proj(hidden))
-        rounds = batch.caches["recurrent_slot"].rounds if batch.is_prefill else None
-        if rounds is None:
-            out = self._recurrence(qkv, a, b, batch)  # [T, Hv, dv]
+        z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))  # [T, Hv, dv]
+        if not batch.is_prefill:  # the recurrence and the norm in one op
+            out = self._decode(qkv, a, b, z, batch)
+        elif batch.caches["recurrent_slot"].rounds is None:
+            out = self.norm(self._prefill(qkv, a, b, batch), z)
         else:  # the step saves state checkpoints inside its chunks (qllm.cache.checkpoint_rounds)
-            out = rounds.run(self._recurrence, (qkv, a, b), batch,
-                             (self.conv_state, self.ssm_state))
-        out = self.norm(out, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
+            out = batch.caches["recurrent_slot"].rounds.run(
+                self._prefill, (qkv, a, b), batch, (self.conv_state, self.ssm_state))
+            out = self.norm(out, z)
         return self.out_proj(out.flatten(-2))
 
-    def _recurrence(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                    batch: ForwardBatch) -> torch.Tensor:
-        """The conv and the gated delta rule of ``batch``'s tokens, from and into the states of
-        its slots: ``qkv [T, conv_dim]``, ``a, b [T, Hv]`` -> ``[T, Hv, dv]``."""
-        conv_weight = self.conv1d.weight[:, 0, :]  # [C, K]
-        if batch.is_prefill:  # each of q, k, v contiguous, as chunked kernels read them
-            q, k, v = self._conv_prefill(qkv, conv_weight, self.conv_state, batch,
-                                         self.qkv_sizes)
-        else:
-            q, k, v = self._conv_update(qkv, conv_weight, self.conv_state, batch).split(
-                self.qkv_sizes, dim=-1)  # views of [B, C]
-        q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))  # [T, Hk, dk]
-        k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))  # [T, Hk, dk]
-        v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))  # [T, Hv, dv]
-        gdn = self._gdn_prefill if batch.is_prefill else self._gdn_decode
-        return gdn(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, batch)
+    def _split_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's q, k, v ``[T, width]`` -> ``q, k [T, Hk, dk]``, ``v [T, Hv, dv]``."""
+        return (q.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+                k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+                v.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
+
+    def _prefill(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 batch: ForwardBatch) -> torch.Tensor:
+        """The conv and the gated delta rule of ``batch``'s new tokens, from and into the
+        states of its slots: ``qkv [T, conv_dim]``, ``a, b [T, Hv]`` -> ``[T, Hv, dv]``."""
+        # each of q, k, v contiguous, as chunked kernels read them
+        q, k, v = self._split_heads(*self._conv_prefill(
+            qkv, self.conv1d.weight[:, 0, :], self.conv_state, batch, self.qkv_sizes))
+        return self._gdn_prefill(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state,
+                                 batch)
+
+    def _decode(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """One token per sequence: the conv, the gated delta rule and the gated norm with
+        ``z [B, Hv, dv]``, from and into the slots' states -> ``[B, Hv, dv]``."""
+        q, k, v = self._split_heads(*self._conv_update(
+            qkv, self.conv1d.weight[:, 0, :], self.conv_state, batch).split(
+                self.qkv_sizes, dim=-1))  # views of [B, C]
+        return self._gdn_decode_gated_norm(q, k, v, a, b, self.A_log, self.dt_bias,
+                                           self.ssm_state, batch, z, self.norm.weight,
+                                           self.norm.eps)
