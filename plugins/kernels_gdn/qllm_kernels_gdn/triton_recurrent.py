@@ -44,9 +44,10 @@ from qllm.plugins.pdl import pdl_arguments, pdl_release, pdl_wait
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus's: above it, softplus(x) is x
 MIN_PROGRAMS = 512  # below this many programs at the wider block, the narrower one fills the SMs
-# A program holding a whole head's [dk, dv] tile (the fused norm): 64 fp32 values a thread at
-# Qwen3.5's 128 x 128
-NORM_NUM_WARPS = 8
+# A program holding a whole head's [dk, dv] tile (the fused norm), at Qwen3.5's 128 x 128 on
+# 16 warps: 123 registers a thread with an fp32 state, 85 with bf16 (8 warps: 239 and 166, near
+# where Triton 3.6 spilled the narrow fp32 tile; sm_90 compiles here, Triton 3.7)
+NORM_NUM_WARPS = 16
 
 
 @triton.jit

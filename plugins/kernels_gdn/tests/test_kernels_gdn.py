@@ -543,17 +543,18 @@ def _pdl_launch(kernel: str) -> Callable[[], object]:
         return lambda: triton_conv.conv1d_update(*conv_args, *slots)
     norm_args = on_meta(*norm_inputs(1, QWEN3_5_35B_A3B.num_v_heads, QWEN3_5_35B_A3B.head_v_dim,
                                      torch.bfloat16, "cpu"))
-    if kernel.startswith("gdn_decode"):  # bf16 state, as W3 runs it
-        gdn = gdn_inputs(batch, QWEN3_5_35B_A3B, TINY_SLOTS, torch.bfloat16, torch.bfloat16)
+    if kernel.startswith("gdn_decode"):  # the engine's fp32 state, or bf16 as W3 runs it
+        state_dtype = torch.bfloat16 if kernel.endswith("-bf16") else torch.float32
+        gdn = gdn_inputs(batch, QWEN3_5_35B_A3B, TINY_SLOTS, torch.bfloat16, state_dtype)
         gdn_args = on_meta(*gdn.args()[:8])
-        norm = dict(norm=(*norm_args[1:], 1e-6)) if kernel == "gdn_decode_gated_norm" else {}
+        norm = dict(norm=(*norm_args[1:], 1e-6)) if "gated_norm" in kernel else {}
         return lambda: triton_recurrent.gated_delta_rule(*gdn_args, *slots, **norm)
     return lambda: triton_norm.rms_norm_gated(*norm_args, 1e-6)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("kernel", ["conv_update", "gdn_decode", "rms_norm_gated",
-                                    "gdn_decode_gated_norm"])
+                                    "gdn_decode_gated_norm", "gdn_decode_gated_norm-bf16"])
 def test_pdl_sass(kernel, monkeypatch):
     """Each decode kernel compiled for sm_90 as launched: with PDL it waits before any store,
     after reading its parameters (and the conv and the recurrence their slots and state) and
