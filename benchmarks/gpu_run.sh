@@ -7,7 +7,8 @@
 #   CUDA-graph ones alone); kernel-tests: kernel parity tests
 #   (moe-tests: the MoE ones alone, stopping at the first failure; quick-kernel-tests: the MoE
 #   align, parity, table-entry, forced-config, graph and compile cases, the GDN conv, q/k L2 norm,
-#   prefill, decode, gated-norm and compile cases and the q/k norm + RoPE cases, which fit a
+#   prefill, decode (alone and with the gated norm), gated-norm and compile cases and the q/k
+#   norm + RoPE cases (alone and storing K/V), which fit a
 #   short call where the whole kernel-tests stage does not; linear-tests: the
 #   linear (GEMV) plugin's tests);
 #   kernels: kernel micro-benchmarks; bandwidth: the HBM read bandwidth reached by access
@@ -175,7 +176,7 @@ for stage in "$@"; do
                                 plugins/kernels_moe/tests/test_kernels_moe.py \
                                 plugins/kernels_gdn/tests/test_kernels_gdn.py \
                                 plugins/kernels_attention/tests/test_kernels_attention.py -k \
-                                "(triton_align or cuda_graph or compiled or test_parity or every_table or forced or conv_ or gdn_prefill_parity or gdn_decode_parity or rms_norm_gated or l2norm_heads or qk_norm_rope) and not interpreted" ;;
+                                "(triton_align or cuda_graph or compiled or test_parity or every_table or forced or conv_ or gdn_prefill_parity or gdn_decode_parity or gated_norm or rms_norm_gated or l2norm_heads or qk_norm_rope) and not interpreted" ;;
         attention-tests) run attention_tests 300 python3 -m pytest $PYTEST_GPU \
                              plugins/kernels_attention/tests/test_kernels_attention.py ;;
         linear-tests) run linear_tests 300 python3 -m pytest $PYTEST_GPU \
