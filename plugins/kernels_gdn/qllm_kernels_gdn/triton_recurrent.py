@@ -181,9 +181,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
     ``A_log, dt_bias [Hv]``; ``ssm_state [S + 1, Hv, dk, dv]`` updated in place at
     ``slots [B]``. Without ``cu_seqlens`` (decode)
     ``T == B`` and token ``i`` belongs to sequence ``i``; with it, sequence ``i`` owns tokens
-    ``cu_seqlens[i]:cu_seqlens[i + 1]``. Returns ``o [T, Hv, dv]`` in ``v.dtype``, or with
-    ``norm = (gate [T, Hv, dv], weight [dv], eps)`` ``rms_norm_gated(o, gate, weight, eps)``,
-    a program then holding a whole head (``NORM_NUM_WARPS``). ``block_v`` and ``num_warps``
+    ``cu_seqlens[i]:cu_seqlens[i + 1]``. Returns ``o [T, Hv, dv]`` in ``v.dtype``, or in
+    decode with ``norm = (gate [T, Hv, dv], weight [dv], eps)`` ``rms_norm_gated(o, gate,
+    weight, eps)``, a program then holding a whole head (``NORM_NUM_WARPS``). ``block_v`` and ``num_warps``
     override the launch configuration (for tuning)."""
     q, k, v = (_unit_last_stride(x) for x in (q, k, v))
     tokens, num_v_heads, dv = v.shape
@@ -198,9 +198,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
         gate = _unit_last_stride(gate)
         default_block_v, default_warps = triton.next_power_of_2(dv), NORM_NUM_WARPS
     block_v, num_warps = block_v or default_block_v, num_warps or default_warps
-    if norm is not None and block_v < dv:
-        raise ValueError(f"gated_delta_rule with its norm needs a whole head per program: "
-                         f"block_v {block_v} < dv {dv}")
+    if norm is not None and (block_v < dv or cu_seqlens is not None):
+        raise ValueError(f"gated_delta_rule applies the norm in decode, a whole head per "
+                         f"program: got block_v {block_v} for dv {dv}"
+                         + (" and cu_seqlens" if cu_seqlens is not None else ""))
     grid = (triton.cdiv(dv, block_v), num_v_heads, num_seqs)
     A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()  # [Hv], read at the head
     _gated_delta_rule_kernel[grid](

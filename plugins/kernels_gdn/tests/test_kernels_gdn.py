@@ -619,6 +619,24 @@ def test_interpreted_gdn_decode_gated_norm(geometry, batch, state_dtype, fused, 
                      gated_norm=True)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_norm_only_in_decode_with_whole_heads():
+    """The recurrence applies the gated norm to whole heads of one-token steps only: a
+    narrower value block or a varlen prefill is refused before any launch."""
+    from qllm_kernels_gdn.triton_recurrent import gated_delta_rule
+
+    geometry = TINY_GEOMETRIES["gqa2-dk16-dv8"]
+    batch = random_batch([3, 1], TINY_SLOTS, True)
+    x = gdn_inputs(batch, geometry, TINY_SLOTS, torch.float32, torch.float32)
+    _, gate, weight = norm_inputs(4, geometry.num_v_heads, geometry.head_v_dim, torch.float32,
+                                  "cpu")
+    args = (*x.args()[:8], *_slot_fields(batch))
+    with pytest.raises(ValueError, match="block_v 4 for dv 8"):
+        gated_delta_rule(*args, block_v=4, norm=(gate, weight, 1e-6))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        gated_delta_rule(*args, batch.query_start_loc, norm=(gate, weight, 1e-6))
+
+
 @interpreted
 def test_interpreted_gates_at_the_extremes():
     """The kernel's gates against ``gdn_gates`` where softplus switches to the identity
