@@ -45,7 +45,7 @@ L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus's: above it, softplus(x) is x
 MIN_PROGRAMS = 512  # below this many programs at the wider block, the narrower one fills the SMs
 # A program holding a whole head's [dk, dv] tile (the fused norm), at Qwen3.5's 128 x 128 on
-# 16 warps: 123 registers a thread with an fp32 state, 85 with bf16 (8 warps: 239 and 166, near
+# 16 warps: 123 registers a thread with an fp32 state, 86 with bf16 (8 warps: 228 and 169, near
 # where Triton 3.6 spilled the narrow fp32 tile; sm_90 compiles here, Triton 3.7)
 NORM_NUM_WARPS = 16
 
@@ -115,6 +115,9 @@ def _gated_delta_rule_kernel(
                     other=0.0).to(tl.float32)  # [BK]
         v = tl.load(v_ptr + t * stride_v_tok + head * stride_v_head + dims_v, mask=mask_v,
                     other=0.0).to(tl.float32)  # [BV]
+        if NORM:  # the norm's gate, the in_proj's output (loaded with the other inputs)
+            gate = tl.load(gate_ptr + t * stride_gate_tok + head * stride_gate_head + dims_v,
+                           mask=mask_v, other=0.0)  # [BV]
         a = tl.load(a_ptr + t * stride_a_tok + head * stride_a_head).to(tl.float32)
         shifted = a + dt_bias
         softplus = tl.where(shifted > SOFTPLUS_THRESHOLD, shifted, tl.log(1.0 + tl.exp(shifted)))
@@ -129,9 +132,7 @@ def _gated_delta_rule_kernel(
         delta = beta * (v - decay * tl.sum(h * k[:, None], 0))  # [BV]
         o = decay * tl.sum(h * q[:, None], 0) + delta * tl.sum(k * q, 0)  # [BV]
         h = h * decay + k[:, None] * delta[None, :]
-        if NORM:  # the gate is the in_proj's output
-            gate = tl.load(gate_ptr + t * stride_gate_tok + head * stride_gate_head + dims_v,
-                           mask=mask_v, other=0.0)  # [BV]
+        if NORM:
             o = _gated_rms_norm(o.to(out_ptr.dtype.element_ty), gate, norm_weight, norm_eps, DV)
         tl.store(out_ptr + t * stride_out_tok + head * stride_out_head + dims_v,
                  o.to(out_ptr.dtype.element_ty), mask=mask_v)
