@@ -272,21 +272,15 @@ def test_gdn_prefill_parity(impl, geometry, lens, has_state, state_dtype, monkey
 
 @cuda
 @state_layouts
+@pytest.mark.parametrize("gated_norm", [False, True], ids=["plain", "gated_norm"])
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
 @pytest.mark.parametrize("batch", GPU_DECODE.values(), ids=GPU_DECODE.keys())
 @pytest.mark.parametrize("geometry", GPU_GEOMETRIES.values(), ids=GPU_GEOMETRIES.keys())
-def test_gdn_decode_parity(geometry, batch, state_dtype, contiguous_state):
+def test_gdn_decode_parity(geometry, batch, state_dtype, gated_norm, contiguous_state):
+    """``gdn_decode``, and ``gdn_decode_gated_norm`` (whole heads up to 16 sequences, the
+    two kernels above)."""
     check_gdn_decode(geometry, *batch, torch.bfloat16, state_dtype, GPU_SLOTS, "cuda",
-                     contiguous_state)
-
-
-@cuda
-@pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
-@pytest.mark.parametrize("batch", GPU_DECODE.values(), ids=GPU_DECODE.keys())
-@pytest.mark.parametrize("geometry", GPU_GEOMETRIES.values(), ids=GPU_GEOMETRIES.keys())
-def test_gdn_decode_gated_norm_parity(geometry, batch, state_dtype):
-    check_gdn_decode(geometry, *batch, torch.bfloat16, state_dtype, GPU_SLOTS, "cuda",
-                     gated_norm=True)
+                     contiguous_state, gated_norm)
 
 
 # tokens x value heads x value dim: decode at batch 1 and 200, a prefill chunk, dv 96
@@ -608,15 +602,17 @@ def test_interpreted_gdn_decode(geometry, batch, state_dtype, contiguous_state):
 
 
 @interpreted
+@state_layouts
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernels"])
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES.values(), ids=STATE_DTYPES.keys())
 @pytest.mark.parametrize("batch", TINY_DECODE.values(), ids=TINY_DECODE.keys())
 @pytest.mark.parametrize("geometry", TINY_GEOMETRIES.values(), ids=TINY_GEOMETRIES.keys())
-def test_interpreted_gdn_decode_gated_norm(geometry, batch, state_dtype, fused, monkeypatch):
+def test_interpreted_gdn_decode_gated_norm(geometry, batch, state_dtype, fused,
+                                           contiguous_state, monkeypatch):
     if not fused:  # the path of steps over FUSED_NORM_MAX_ROWS sequences
         monkeypatch.setattr(ops, "FUSED_NORM_MAX_ROWS", 0)
     check_gdn_decode(geometry, *batch, torch.float32, state_dtype, TINY_SLOTS, "cpu",
-                     gated_norm=True)
+                     contiguous_state, gated_norm=True)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
