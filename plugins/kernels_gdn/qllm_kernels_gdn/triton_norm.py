@@ -24,6 +24,20 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def gated_rms_norm(x, gate, weight, eps, D: tl.constexpr):
+    """``rms_norm_gated`` over the last axis of ``x [..., BLOCK_D]`` (zero past ``D``), with
+    ``gate`` of its shape and the plain ``weight [BLOCK_D]``, in transformers' casts:
+    ``x_hat`` in fp32 rounded to ``x``'s dtype, times the weight in fp32 rounded, times
+    ``silu(gate)`` in fp32 -> fp32. The norm's kernel and the recurrence's (``NORM``) share it."""
+    x32 = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=-1, keep_dims=True) / D + eps)  # [..., 1]
+    x_hat = (x32 * inv_rms).to(x.dtype)
+    weighted = (weight.to(tl.float32) * x_hat.to(tl.float32)).to(x.dtype)
+    gate = gate.to(tl.float32)
+    return weighted.to(tl.float32) * (gate * tl.sigmoid(gate))
+
+
+@triton.jit
 def _rms_norm_gated_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, rows, heads, eps,
                            stride_x_tok, stride_x_head, stride_g_tok, stride_g_head,
                            D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -38,13 +52,8 @@ def _rms_norm_gated_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, rows, heads, ep
     x_rows = x_ptr + token * stride_x_tok + head * stride_x_head  # [R]
     gate_rows = gate_ptr + token * stride_g_tok + head * stride_g_head  # [R]
     x = tl.load(x_rows[:, None] + dims[None, :], mask=mask, other=0.0)  # [R, D]
-    gate = tl.load(gate_rows[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-
-    x32 = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=1) / D + eps)  # [R]
-    x_hat = (x32 * inv_rms[:, None]).to(x.dtype)
-    weighted = (weight[None, :].to(tl.float32) * x_hat.to(tl.float32)).to(x.dtype)
-    out = weighted.to(tl.float32) * (gate * tl.sigmoid(gate))
+    gate = tl.load(gate_rows[:, None] + dims[None, :], mask=mask, other=0.0)
+    out = gated_rms_norm(x, gate, weight, eps, D)  # [R, D]
     tl.store(out_ptr + row.to(tl.int64)[:, None] * D + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -22,8 +22,8 @@ share the kernel; prefill walks each sequence sequentially, the fallback where f
 kernels are missing.
 
 With ``norm`` (the ``gdn_decode_gated_norm`` op in small decode steps) a program holds a whole
-value head and puts each token's output through the layer's gated RMSNorm (``triton_norm``'s
-casts) before storing it, so the norm's own kernel does not run.
+value head and puts each token's output through the layer's gated RMSNorm
+(``triton_norm.gated_rms_norm``) before storing it, so the norm's own kernel does not run.
 
 In steps of at most ``PDL_MAX_ROWS`` tokens (``qllm.plugins.pdl``: decode at small batch, the
 shortest prefills) the kernel is launched with programmatic dependent launch and waits for the
@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from qllm.plugins.pdl import pdl_arguments, pdl_release, pdl_wait
+from qllm_kernels_gdn.triton_norm import gated_rms_norm
 
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus's: above it, softplus(x) is x
@@ -48,18 +49,6 @@ MIN_PROGRAMS = 512  # below this many programs at the wider block, the narrower 
 # 16 warps: 123 registers a thread with an fp32 state, 86 with bf16 (8 warps: 228 and 169, near
 # where Triton 3.6 spilled the narrow fp32 tile; sm_90 compiles here, Triton 3.7)
 NORM_NUM_WARPS = 16
-
-
-@triton.jit
-def _gated_rms_norm(x, gate, weight, eps, DV: tl.constexpr):
-    """``rms_norm_gated`` of one head's output ``x [BV]`` (zero past ``DV``) with the casts
-    of ``triton_norm``: ``x_hat`` in fp32 rounded to ``x``'s dtype, times the plain ``weight
-    [BV]`` in fp32 rounded, times ``silu(gate)`` in fp32."""
-    x32 = x.to(tl.float32)
-    x_hat = (x32 * tl.rsqrt(tl.sum(x32 * x32, 0) / DV + eps)).to(x.dtype)
-    weighted = (weight.to(tl.float32) * x_hat.to(tl.float32)).to(x.dtype)
-    gate = gate.to(tl.float32)
-    return weighted.to(tl.float32) * (gate * tl.sigmoid(gate))
 
 
 @triton.jit
@@ -133,7 +122,7 @@ def _gated_delta_rule_kernel(
         o = decay * tl.sum(h * q[:, None], 0) + delta * tl.sum(k * q, 0)  # [BV]
         h = h * decay + k[:, None] * delta[None, :]
         if NORM:
-            o = _gated_rms_norm(o.to(out_ptr.dtype.element_ty), gate, norm_weight, norm_eps, DV)
+            o = gated_rms_norm(o.to(out_ptr.dtype.element_ty), gate, norm_weight, norm_eps, DV)
         tl.store(out_ptr + t * stride_out_tok + head * stride_out_head + dims_v,
                  o.to(out_ptr.dtype.element_ty), mask=mask_v)
     tl.store(state, h.to(state_ptr.dtype.element_ty), mask=mask_s)
