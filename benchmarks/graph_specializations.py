@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import json
 import time
 from unittest import mock
@@ -45,9 +44,7 @@ def decode_calls(batch: int, c) -> dict:
     from qllm_kernels_attention.triton_decode import decode_attention
     from qllm_kernels_attention.triton_qk_norm_rope import qk_norm_rope_kv_store
     from qllm_kernels_gdn.triton_conv import conv1d_update
-    from qllm_kernels_gdn.ops import FUSED_NORM_MAX_ROWS
-    from qllm_kernels_gdn.triton_norm import rms_norm_gated
-    from qllm_kernels_gdn.triton_recurrent import gated_delta_rule
+    from qllm_kernels_gdn.triton_recurrent import decode_gated_norm
     from qllm_kernels_linear.configs import serves
     from qllm_kernels_linear.triton_gemv import gemv
     from qllm_kernels_linear.triton_norm import add_rms_norm
@@ -63,14 +60,6 @@ def decode_calls(batch: int, c) -> dict:
     inter = c.moe_intermediate_size
     slots = (meta(b, dtype=I32), meta(b, dtype=torch.bool))
 
-    def gdn_decode_gated_norm(norm):  # as qllm_kernels_gdn.ops dispatches it
-        recurrence = functools.partial(
-            gated_delta_rule, meta(b, hk, dk), meta(b, hk, dk), meta(b, hv, dv), meta(b, hv),
-            meta(b, hv), meta(hv, dtype=F32), meta(hv),
-            meta(SLOTS + 1, hv, dv, dk).transpose(-1, -2), *slots)
-        if b <= FUSED_NORM_MAX_ROWS:
-            return recurrence(norm=norm)
-        return rms_norm_gated(recurrence(), *norm)
     kv_cache = (meta(PAGES, PAGE, hkv, d), meta(PAGES, PAGE, hkv, d))
     calls = {
         "add_rms_norm": lambda: add_rms_norm(meta(b, k + 1, h), meta(b, h), meta(h), 1e-6, True),
@@ -81,8 +70,10 @@ def decode_calls(batch: int, c) -> dict:
         "causal_conv1d_update": lambda: conv1d_update(
             meta(b, conv), meta(conv, c.linear_conv_kernel_dim),
             meta(SLOTS + 1, conv, c.linear_conv_kernel_dim - 1), *slots),
-        "gdn_decode_gated_norm": lambda: gdn_decode_gated_norm(norm=(meta(b, hv, dv), meta(dv),
-                                                                     1e-6)),
+        "gdn_decode_gated_norm": lambda: decode_gated_norm(
+            meta(b, hk, dk), meta(b, hk, dk), meta(b, hv, dv), meta(b, hv), meta(b, hv),
+            meta(hv, dtype=F32), meta(hv), meta(SLOTS + 1, hv, dv, dk).transpose(-1, -2),
+            *slots, meta(b, hv, dv), meta(dv), 1e-6),
         "qk_norm_rope_kv_store": lambda: qk_norm_rope_kv_store(
             meta(b, hq, d), meta(b, hkv, d), meta(b, hkv, d), meta(d), meta(d),
             meta(ROTARY_POSITIONS, rotary, dtype=F32), meta(b, dtype=I64), 1e-6, True,

@@ -70,13 +70,6 @@ def _recurrent_decode_fake(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_
     return v.new_empty(v.shape)
 
 
-# Decode steps of at most this many sequences run the recurrence and the layer's gated norm as
-# one kernel (a program per value head); larger ones keep the narrow recurrence programs tuned
-# for W2's batch 200 and the norm's own kernel. Set to the latency-bound steps (those launched
-# with PDL); not measured yet.
-FUSED_NORM_MAX_ROWS = 16
-
-
 @torch.library.custom_op("qllm_gdn::recurrent_decode_gated_norm", mutates_args=("ssm_state",))
 def recurrent_decode_gated_norm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
@@ -84,16 +77,11 @@ def recurrent_decode_gated_norm(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 slots: torch.Tensor, has_state: torch.Tensor, gate: torch.Tensor,
                                 norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``recurrent_decode``, its output then through the gated RMSNorm with ``gate [B, Hv,
-    dv]``: in the recurrence's kernel up to ``FUSED_NORM_MAX_ROWS`` sequences, else by the
-    norm's own kernel after it."""
-    from qllm_kernels_gdn.triton_norm import rms_norm_gated as launch_norm
-    from qllm_kernels_gdn.triton_recurrent import gated_delta_rule
+    dv]`` (one kernel in small steps: ``triton_recurrent.decode_gated_norm``)."""
+    from qllm_kernels_gdn.triton_recurrent import decode_gated_norm
 
-    if v.shape[0] <= FUSED_NORM_MAX_ROWS:
-        return gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state,
-                                norm=(gate, norm_weight, eps))
-    out = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state)
-    return launch_norm(out, gate, norm_weight, eps)
+    return decode_gated_norm(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state,
+                             gate, norm_weight, eps)
 
 
 @recurrent_decode_gated_norm.register_fake

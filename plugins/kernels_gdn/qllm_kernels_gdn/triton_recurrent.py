@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from qllm.plugins.pdl import pdl_arguments, pdl_release, pdl_wait
-from qllm_kernels_gdn.triton_norm import gated_rms_norm
+from qllm_kernels_gdn.triton_norm import gated_rms_norm, rms_norm_gated
 
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus's: above it, softplus(x) is x
@@ -49,6 +49,11 @@ MIN_PROGRAMS = 512  # below this many programs at the wider block, the narrower 
 # 16 warps: 123 registers a thread with an fp32 state, 86 with bf16 (8 warps: 228 and 169, near
 # where Triton 3.6 spilled the narrow fp32 tile; sm_90 compiles here, Triton 3.7)
 NORM_NUM_WARPS = 16
+# Decode steps of at most this many sequences run the recurrence and the layer's gated norm as
+# one kernel (a program per value head); larger ones keep the narrow recurrence programs tuned
+# for W2's batch 200 and the norm's own kernel. Set to the latency-bound steps (those launched
+# with PDL); not measured yet.
+FUSED_NORM_MAX_ROWS = 16
 
 
 @triton.jit
@@ -206,3 +211,17 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
         BK=triton.next_power_of_2(dk), BV=block_v, VARLEN=cu_seqlens is not None,
         NORM=norm is not None, num_warps=num_warps, **pdl_arguments(v.device, tokens))
     return out
+
+
+def decode_gated_norm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                      b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                      ssm_state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
+                      gate: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A decode step (``gated_delta_rule`` without ``cu_seqlens``), its output then through
+    ``rms_norm_gated`` with ``gate [B, Hv, dv]``: in the recurrence's kernel up to
+    ``FUSED_NORM_MAX_ROWS`` sequences, else by the norm's own kernel after it."""
+    if v.shape[0] <= FUSED_NORM_MAX_ROWS:
+        return gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state,
+                                norm=(gate, norm_weight, eps))
+    out = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state)
+    return rms_norm_gated(out, gate, norm_weight, eps)

@@ -609,8 +609,10 @@ def test_interpreted_gdn_decode(geometry, batch, state_dtype, contiguous_state):
 @pytest.mark.parametrize("geometry", TINY_GEOMETRIES.values(), ids=TINY_GEOMETRIES.keys())
 def test_interpreted_gdn_decode_gated_norm(geometry, batch, state_dtype, fused,
                                            contiguous_state, monkeypatch):
+    from qllm_kernels_gdn import triton_recurrent
+
     if not fused:  # the path of steps over FUSED_NORM_MAX_ROWS sequences
-        monkeypatch.setattr(ops, "FUSED_NORM_MAX_ROWS", 0)
+        monkeypatch.setattr(triton_recurrent, "FUSED_NORM_MAX_ROWS", 0)
     check_gdn_decode(geometry, *batch, torch.float32, state_dtype, TINY_SLOTS, "cpu",
                      contiguous_state, gated_norm=True)
 
