@@ -183,14 +183,13 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.in_proj.split(self.in_proj(hidden))
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))  # [T, Hv, dv]
         if not batch.is_prefill:  # the recurrence and the norm in one op
-            out = self._decode(qkv, a, b, z, batch)
-        elif batch.caches["recurrent_slot"].rounds is None:
-            out = self.norm(self._prefill(qkv, a, b, batch), z)
+            return self.out_proj(self._decode(qkv, a, b, z, batch).flatten(-2))
+        rounds = batch.caches["recurrent_slot"].rounds
+        if rounds is None:
+            out = self._prefill(qkv, a, b, batch)  # [T, Hv, dv]
         else:  # the step saves state checkpoints inside its chunks (qllm.cache.checkpoint_rounds)
-            out = batch.caches["recurrent_slot"].rounds.run(
-                self._prefill, (qkv, a, b), batch, (self.conv_state, self.ssm_state))
-            out = self.norm(out, z)
-        return self.out_proj(out.flatten(-2))
+            out = rounds.run(self._prefill, (qkv, a, b), batch, (self.conv_state, self.ssm_state))
+        return self.out_proj(self.norm(out, z).flatten(-2))
 
     def _split_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
