@@ -487,13 +487,10 @@ def _pdl_launch(op: str):
     if op == "qk_norm_rope_kv_store":
         from qllm_kernels_attention.triton_qk_norm_rope import qk_norm_rope_kv_store
 
-        k_cache, v_cache, _, v, slot_mapping = kv_store_inputs(PDL_DECODE, torch.bfloat16,
-                                                               "cpu")
-        q, k, *weights, cos_sin, positions, eps, zero_centered = qk_inputs(
-            **GPU_QK["qwen3.5"], tokens=1, dtype=torch.bfloat16, device="cpu")
-        tensors = on_meta(q, k, v, *weights, cos_sin, positions)
-        caches = on_meta(k_cache, v_cache, slot_mapping)
-        return lambda: qk_norm_rope_kv_store(*tensors, eps, zero_centered, *caches)
+        args = [on_meta(a)[0] if isinstance(a, torch.Tensor) else a
+                for a in qk_norm_rope_kv_store_inputs(GPU_QK_STORE["qwen3.5-decode"],
+                                                      torch.bfloat16, "cpu")]
+        return lambda: qk_norm_rope_kv_store(*args)
     if op == "kv_store":
         from qllm_kernels_attention.triton_kv_store import store_kv
 
