@@ -21,9 +21,9 @@ winner against the reference and rewrites the shipped table
 over several runs with ``--tokens`` and ``--block-m``: an entry records its time
 (``tuned_ms``), and a later sweep on the same device replaces it only when faster (delete
 ``tuned_ms`` after a kernel change); an entry chosen end to end (``chosen_end_to_end``: how
-and where) is kept (delete the field to sweep it). The full sweep takes the better part of an hour;
-``--grid quick`` tries fewer tiles; ``--grid decode`` the tiles of weight-streaming decode
-batches.
+and where) is kept and not swept (delete the field to sweep it). The full sweep takes the
+better part of an hour; ``--grid quick`` tries fewer tiles; ``--grid decode`` the tiles of
+weight-streaming decode batches.
 
 ``--set-entry TOKENS GEMM=BLOCK_N,BLOCK_K,num_warps,num_stages ...`` writes tiles into one
 entry by hand (an end-to-end trial of a tile the standalone sweep did not pick; the entry
@@ -285,12 +285,12 @@ def tune(token_counts: list[int], grid: dict, block_ms: tuple[int, ...] = BLOCK_
     document, entries = read_table(path)
     device = torch.cuda.get_device_name()
     for tokens in token_counts:
-        config, ms = tune_tokens(tokens, grid, block_ms)
         kept = entries.get(tokens, {})
-        if kept.get("chosen_end_to_end"):  # the op alone does not see what chose it
-            print(f"T={tokens}: {ms:.4f} ms with {config}; kept the entry chosen end to end "
+        if kept.get("chosen_end_to_end"):  # the op alone does not see what chose it: no sweep
+            print(f"T={tokens}: kept the entry chosen end to end "
                   f"({kept['chosen_end_to_end']})", flush=True)
             continue
+        config, ms = tune_tokens(tokens, grid, block_ms)
         if kept.get("tuned_on") == device and kept.get("tuned_ms", float("inf")) <= ms:
             # a sweep over other BLOCK_M values found something faster before
             print(f"T={tokens}: {ms:.4f} ms with {config}; kept the entry's "
