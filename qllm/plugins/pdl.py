@@ -25,8 +25,13 @@ step's first PDL-launched kernel, which starts only once they have completed), a
 step the recurrent state of the kernel's own layer, which only that kernel writes (the GDN
 decode kernels read their slots' state so). Not the output of any kernel of the step before it:
 each PDL-launched kernel lets the next one launch at its entry, so a kernel may start while
-several before it still run. Without ``USE_PDL`` the constexpr prunes it all and a kernel
-compiles to its code without PDL.
+several before it still run. The exception: a kernel that lets the next one launch only after
+its own wait (``pdl_wait`` then ``pdl_release``) starts it once every kernel before it has
+completed (a dependent launches when all the programs before it have released or exited), so
+the next kernel may read those kernels' outputs before its wait (not its direct
+predecessor's), past the L1 cache (``cache_modifier=".cg"``): the slot MoE's gate-up and down
+(``qllm_kernels_moe.triton_slot_moe``). Without ``USE_PDL`` the constexpr prunes it all and a
+kernel compiles to its code without PDL.
 
 Launchers call ``pdl_arguments(device, rows)`` (or ``use_pdl`` and ``launch_options``): PDL is
 on where the switch is, the rows are few enough and ``pdl_available`` (never on the CPU nor

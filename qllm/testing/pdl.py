@@ -7,7 +7,7 @@ forced on or off, where a kernel's SASS compiled for sm_90 waits (``gdc_summary`
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from typing import Callable, Collection
 
 import pytest
 import torch
@@ -74,11 +74,12 @@ def gdc_summary(compiled) -> dict:
         control_before_wait=of(CONTROL, before), loads_after_wait=of(GLOBAL_LOADS, after))
 
 
-def sass_summaries(launch: Callable[[], object], on: bool,
-                   monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+def sass_summaries(launch: Callable[[], object], on: bool, monkeypatch: pytest.MonkeyPatch,
+                   named: bool = False) -> list:
     """``gdc_summary`` of each kernel ``launch()`` launches (an op's launcher on ``meta``
     tensors), with PDL forced ``on`` or off, compiled for sm_90 by the installed Triton (skips
-    where it cannot compile offline)."""
+    where it cannot compile offline); with ``named``, ``(kernel function name, summary)``
+    pairs."""
     missing = sm90_compiler_missing()
     if missing:
         pytest.skip(missing)
@@ -88,20 +89,27 @@ def sass_summaries(launch: Callable[[], object], on: bool,
     for kernel_launch in launches:
         assert kernel_launch.args["USE_PDL"] is on
         assert kernel_launch.options.get("launch_pdl", False) is on
-    return [gdc_summary(compile_for_sm90(*kernel_launch)) for kernel_launch in launches]
+    summaries = [gdc_summary(compile_for_sm90(*kernel_launch)) for kernel_launch in launches]
+    if not named:
+        return summaries
+    return [(kernel_launch.kernel.fn.__name__, summary)
+            for kernel_launch, summary in zip(launches, summaries, strict=True)]
 
 
 def assert_pdl_sass(launch: Callable[[], object], monkeypatch: pytest.MonkeyPatch,
-                    reads_before_wait: bool = False) -> None:
+                    reads_before_wait: bool = False,
+                    releases_after_wait: Collection[str] = ()) -> None:
     """Each kernel ``launch()`` launches, compiled for sm_90: with PDL, one launch of dependents
-    then one unpredicated wait, with no global load (some, with ``reads_before_wait``: a
-    kernel that reads its parameters, slots or state first), store, atomic, branch or exit
-    before it, loads after it and no spill; without, neither instruction."""
-    for summary in sass_summaries(launch, True, monkeypatch):
-        expected = dict(WAIT_AT_ENTRY, loads_before_wait=summary["loads_before_wait"])
-        assert {key: summary[key] for key in WAIT_AT_ENTRY} == expected, summary
-        assert bool(summary["loads_before_wait"]) == reads_before_wait, summary
-        assert summary["loads_after_wait"], summary
+    then one unpredicated wait (the other way round in the kernels named in
+    ``releases_after_wait``), with no global load (some, with ``reads_before_wait``: a kernel
+    that reads its parameters, slots or state first), store, atomic, branch or exit before it,
+    loads after it and no spill; without, neither instruction."""
+    for kernel, summary in sass_summaries(launch, True, monkeypatch, named=True):
+        expected = dict(WAIT_AT_ENTRY, loads_before_wait=summary["loads_before_wait"],
+                        launch_dependents_first=kernel not in releases_after_wait)
+        assert {key: summary[key] for key in WAIT_AT_ENTRY} == expected, (kernel, summary)
+        assert bool(summary["loads_before_wait"]) == reads_before_wait, (kernel, summary)
+        assert summary["loads_after_wait"], (kernel, summary)
     for summary in sass_summaries(launch, False, monkeypatch):
         assert summary["waits"] == summary["launch_dependents"] == 0, summary
 

@@ -18,14 +18,16 @@ An expert hit by several slots is read once per slot (from L2 after the first), 
 pays only while slots rarely share experts: the tuner decides up to which token count.
 Products are accumulated over ``[BLOCK_N, BLOCK_K]`` tiles in fp32 and reduced once per row at
 the end. No host syncs: capturable in a CUDA graph. In small decode steps
-(``qllm.plugins.pdl``) both kernels are launched with programmatic dependent launch and wait
-for the previous kernel (``qllm.plugins.pdl.pdl_wait``) before reading the expert ids, the
-router's output. Only a token's last slot, the shared expert's by the router's convention
-(``moe_router``), knows its weights before: its programs read the shared expert's first
-``BLOCK_K`` columns before the wait and keep them where the id confirms the guess (elsewhere,
-e.g. ids without the shared expert, the guess costs their bandwidth, not their result). With a
-tile covering all of K, the shared expert's ninth of the weights is then off the path from the
-router to the expert outputs.
+(``qllm.plugins.pdl``) both kernels are launched with programmatic dependent launch. The gate-up
+waits for the router (``qllm.plugins.pdl.pdl_wait``) before reading the expert ids, and lets the
+down launch only after that wait: so when the down starts, the router has completed, and the
+down reads its ids and its whole first weight tile before its own wait (for the gate-up's
+``hidden``); with a tile covering all of K (the one-token entry's), the down's weights stream
+while the gate-up's last programs run. Only a token's last slot, the shared expert's by the
+router's convention (``moe_router``), knows its weights before the router ends: the gate-up's
+programs for it read the shared expert's first ``BLOCK_K`` columns before the wait and keep them
+where the id confirms the guess (elsewhere, e.g. ids without the shared expert, the guess costs
+their bandwidth, not their result).
 """
 
 from __future__ import annotations
@@ -39,38 +41,60 @@ from qllm_kernels_moe.configs import GemmConfig
 
 
 @triton.jit
+def _expert_rows(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert, offsets):
+    """Pointers to ``offsets`` in expert ``expert``'s weights (``num_experts``: the shared
+    expert's, ``shared_w``)."""
+    shared = expert == num_experts
+    return tl.where(shared, shared_w_ptr, w_ptr + expert * stride_w_expert) + offsets
+
+
+@triton.jit
 def _first_weight_tiles(w_ptr, shared_w_ptr, ids_ptr, num_experts, N, K, stride_w_expert,
                         stride_w_row, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+                        IDS_BEFORE_WAIT: tl.constexpr, USE_PDL: tl.constexpr):
     """This program's slot and ``BLOCK_N`` weight rows of the slot's expert (the shared
     expert's for id ``num_experts``), their first ``BLOCK_K`` columns loaded, around the PDL
-    wait: a token's last slot, the shared expert's by the router's convention, reads the shared
-    weights' tile before the wait (parameters), kept where its id confirms the guess; every
-    other tile is read after it. Returns ``(slot, rows [BN], row_mask [BN], ks [BK], w_ptrs
-    [BN, BK] at the first tile, tile [BN, BK], up_tile [BN, BK])``; with ``GATED`` the tiles
-    are the gate rows and the up rows ``N`` further down, else ``up_tile`` is ``tile``."""
-    pdl_release(USE_PDL)
+    wait (module docstring). With ``IDS_BEFORE_WAIT`` (the down: the kernel before it let it
+    launch only once the router had completed) the ids and the tiles are read before the wait,
+    the ids past the L1 cache. Without (the gate-up, right after the router): a token's last
+    slot reads the shared weights' tile before the wait, kept where its id confirms the guess,
+    every other tile after it, and the next kernel may launch only after the wait. Returns
+    ``(slot, rows [BN], row_mask [BN], ks [BK], w_ptrs [BN, BK] at the first tile, tile
+    [BN, BK], up_tile [BN, BK])``; with ``GATED`` the tiles are the gate rows and the up rows
+    ``N`` further down, else ``up_tile`` is ``tile``."""
     slot = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     row_mask = rows < N
     ks = tl.arange(0, BLOCK_K)
     first = row_mask[:, None] & (ks < K)[None, :]  # [BN, BK]
     offsets = rows[:, None] * stride_w_row + ks[None, :]  # [BN, BK]
-    guess = slot % TOP_K == TOP_K - 1
-    early = tl.load(shared_w_ptr + offsets, mask=first & guess, other=0.0)
-    if GATED:
-        early_up = tl.load(shared_w_ptr + N * stride_w_row + offsets, mask=first & guess,
-                           other=0.0)
-    pdl_wait(USE_PDL)  # the ids are the router's output
-    expert = tl.load(ids_ptr + slot)
-    shared = expert == num_experts
-    expert_w_ptr = tl.where(shared, shared_w_ptr, w_ptr + expert * stride_w_expert)
-    w_ptrs = expert_w_ptr + offsets
-    late = first & ~(guess & shared)
-    tile = tl.load(w_ptrs, mask=late, other=early)
-    up_tile = tile
-    if GATED:
-        up_tile = tl.load(w_ptrs + N * stride_w_row, mask=late, other=early_up)
+    if IDS_BEFORE_WAIT:
+        pdl_release(USE_PDL)
+        expert = tl.load(ids_ptr + slot, cache_modifier=".cg")
+        w_ptrs = _expert_rows(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert,
+                              offsets)
+        tile = tl.load(w_ptrs, mask=first, other=0.0)
+        up_tile = tile
+        if GATED:
+            up_tile = tl.load(w_ptrs + N * stride_w_row, mask=first, other=0.0)
+        pdl_wait(USE_PDL)
+    else:
+        guess = slot % TOP_K == TOP_K - 1
+        early = tl.load(shared_w_ptr + offsets, mask=first & guess, other=0.0)
+        if GATED:
+            early_up = tl.load(shared_w_ptr + N * stride_w_row + offsets, mask=first & guess,
+                               other=0.0)
+        pdl_wait(USE_PDL)  # the ids are the router's output
+        pdl_release(USE_PDL)  # after the wait: the next kernel reads the ids before its own
+        expert = tl.load(ids_ptr + slot)
+        w_ptrs = _expert_rows(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert,
+                              offsets)
+        late = first & ~(guess & (expert == num_experts))
+        tile = tl.load(w_ptrs, mask=late, other=early)
+        up_tile = tile
+        if GATED:
+            up_tile = tl.load(w_ptrs + N * stride_w_row, mask=late, other=early_up)
     return slot, rows, row_mask, ks, w_ptrs, tile, up_tile
 
 
@@ -83,7 +107,8 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
     ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``)."""
     slot, rows, row_mask, ks, gate_ptrs, gate_w, up_w = _first_weight_tiles(
         w_ptr, shared_w_ptr, ids_ptr, num_experts, N, K, stride_w_expert, stride_w_row, TOP_K,
-        BLOCK_N, BLOCK_K, True, USE_PDL)  # gate_ptrs, gate_w, up_w: [BN, BK]; x: the norm's
+        BLOCK_N, BLOCK_K, GATED=True, IDS_BEFORE_WAIT=False,
+        USE_PDL=USE_PDL)  # gate_ptrs, gate_w, up_w: [BN, BK]; x: the norm's
     x_ptrs = x_ptr + (slot // TOP_K) * stride_x_row + ks  # [BK]
     up_ptrs = gate_ptrs + N * stride_w_row
     x = tl.load(x_ptrs, mask=ks < K, other=0.0).to(tl.float32)[None, :]  # [1, BK]
@@ -112,7 +137,8 @@ def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weights_
     to expert ``e`` (``num_experts``: ``shared_w``); ``round`` to ``out``'s dtype."""
     slot, rows, row_mask, ks, w_ptrs, w, _ = _first_weight_tiles(
         w_ptr, shared_w_ptr, ids_ptr, num_experts, N, K, stride_w_expert, stride_w_row, TOP_K,
-        BLOCK_N, BLOCK_K, False, USE_PDL)  # w_ptrs, w: [BN, BK]; hidden: the gate-up's
+        BLOCK_N, BLOCK_K, GATED=False, IDS_BEFORE_WAIT=True,
+        USE_PDL=USE_PDL)  # w_ptrs, w: [BN, BK]; hidden: the gate-up's
     h_ptrs = hidden_ptr + slot * K + ks  # [BK]
     h = tl.load(h_ptrs, mask=ks < K, other=0.0).to(tl.float32)[None, :]  # [1, BK]
     acc = w.to(tl.float32) * h  # [BN, BK]

@@ -398,10 +398,12 @@ def _pdl_launch(op: str):
 @pytest.mark.parametrize("op", ["router", "fused_moe"])
 def test_pdl_sass(op, monkeypatch):
     """The router's kernel and the slot path's two, compiled for sm_90 as launched: with PDL
-    each waits before any store, the router at entry, the slot kernels after reading the
-    shared expert's first tile (``qllm.testing.pdl.assert_pdl_sass``); without, no
+    each waits before any store, the router at entry, the gate-up after reading the shared
+    expert's first tile, and it lets the down launch only after its wait; the down reads its
+    ids and weights first (``qllm.testing.pdl.assert_pdl_sass``); without, no
     grid-dependency-control instruction."""
-    assert_pdl_sass(_pdl_launch(op), monkeypatch, reads_before_wait=op == "fused_moe")
+    assert_pdl_sass(_pdl_launch(op), monkeypatch, reads_before_wait=op == "fused_moe",
+                    releases_after_wait={"_slot_gate_up_kernel"})
 
 
 test_triton_interpreter = interpreter_driver(__file__)
