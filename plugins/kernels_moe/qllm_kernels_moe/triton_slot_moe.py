@@ -132,24 +132,30 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
 def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weights_ptr, out_ptr,
                       num_experts, N, K, stride_w_expert, stride_w_row,
                       TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      USE_PDL: tl.constexpr):
+                      WHOLE_K: tl.constexpr, USE_PDL: tl.constexpr):
     """``out[s, n] = round(routing_weights[s] * (hidden[s] . w[e, n]))`` for slot ``s`` routed
-    to expert ``e`` (``num_experts``: ``shared_w``); ``round`` to ``out``'s dtype."""
+    to expert ``e`` (``num_experts``: ``shared_w``); ``round`` to ``out``'s dtype. ``WHOLE_K``:
+    ``BLOCK_K >= K``, the first tile is the whole row."""
     slot, rows, row_mask, ks, w_ptrs, w, _ = _first_weight_tiles(
         w_ptr, shared_w_ptr, ids_ptr, num_experts, N, K, stride_w_expert, stride_w_row, TOP_K,
         BLOCK_N, BLOCK_K, GATED=False, IDS_BEFORE_WAIT=True,
         USE_PDL=USE_PDL)  # w_ptrs, w: [BN, BK]; hidden: the gate-up's
     h_ptrs = hidden_ptr + slot * K + ks  # [BK]
     h = tl.load(h_ptrs, mask=ks < K, other=0.0).to(tl.float32)[None, :]  # [1, BK]
-    acc = w.to(tl.float32) * h  # [BN, BK]
-    for k_start in range(BLOCK_K, K, BLOCK_K):
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        k_mask = ks < K - k_start
-        h = tl.load(h_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]  # [1, BK]
-        w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += w.to(tl.float32) * h
-    out = tl.sum(acc, axis=1) * tl.load(routing_weights_ptr + slot).to(tl.float32)
+    if WHOLE_K:  # reduced at once: no [BN, BK] fp32 accumulator (half the registers), so
+        # twice the programs hold their tile, read before the wait, at a time
+        dots = tl.sum(w.to(tl.float32) * h, axis=1)  # [BN]
+    else:
+        acc = w.to(tl.float32) * h  # [BN, BK]
+        for k_start in range(BLOCK_K, K, BLOCK_K):
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+            k_mask = ks < K - k_start
+            h = tl.load(h_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]  # [1, BK]
+            w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += w.to(tl.float32) * h
+        dots = tl.sum(acc, axis=1)
+    out = dots * tl.load(routing_weights_ptr + slot).to(tl.float32)
     tl.store(out_ptr + slot * N + rows, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
@@ -183,6 +189,6 @@ def slot_down(hidden: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor,
     _slot_down_kernel[grid](
         hidden, w2, shared_w2, topk_ids, topk_weights, out, w2.shape[0], hidden_size, inter,
         w2.stride(0), w2.stride(1), TOP_K=topk_ids.shape[1], BLOCK_N=config.BLOCK_N,
-        BLOCK_K=config.BLOCK_K, num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_K=config.BLOCK_K, WHOLE_K=config.BLOCK_K >= inter, num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_arguments(hidden.device, topk_ids.shape[0]))
     return out
