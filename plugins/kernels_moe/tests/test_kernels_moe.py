@@ -63,6 +63,7 @@ TINY = {
 TINY_CONFIGS = {
     "default": None,
     "m1": MoeConfig(1, GemmConfig(8, 16), GemmConfig(16, 16, 1, 2)),
+    "m1-whole-k": MoeConfig(1, GemmConfig(8, 64), GemmConfig(16, 32, 1, 2)),  # one tile a row
     "m16": MoeConfig(16, GemmConfig(16, 32), GemmConfig(32, 16, 2)),
     "m32": MoeConfig(32, GemmConfig(32, 16, 4), GemmConfig(16, 32)),
 }
