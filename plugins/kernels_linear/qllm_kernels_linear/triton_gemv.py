@@ -21,7 +21,10 @@ the GEMV, with ``USE_PDL``, first lets the next PDL-launched kernel launch
 (``gdc_launch_dependents``), issues the loads of its first ``BLOCK_K`` weight columns
 (parameters: no kernel of a decode step writes them), then waits for the previous kernel to
 complete and its writes to be visible (``gdc_wait``) before it loads ``x`` (and the bias) or
-stores anything: the first loop step is peeled for that, the loop runs the rest. At one row
+stores anything: the first loop step is peeled for that, the loop runs the rest. Where that
+step covers all of K (``WHOLE_K``) there is no loop, so no accumulator tile lives across one:
+the kernel takes half the registers (64 instead of 123 at the GDN ``in_proj``'s 4 x 2,048
+tile), and twice the programs are resident, their first tiles read, when the wait ends. At one row
 ``BLOCK_K`` covers all of ``K = 2048`` (the GDN ``in_proj``, ``qkv_proj``, the MoE
 ``input_proj``), half of ``K = 4096`` (``out_proj`` / ``o_proj``). The wait sits on the one path
 every thread runs (no branch before it), as PDL requires of every PDL-launched kernel: the next
@@ -53,7 +56,8 @@ from qllm_kernels_linear.swept import swept_config
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
                  stride_xm, stride_xk, stride_wn, stride_b, stride_om,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)                                   # [BM]
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)      # [BN]
     offs_k = tl.arange(0, BLOCK_K)                                   # [BK]
@@ -73,13 +77,15 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
         acc += x.to(tl.float32) * w.to(tl.float32)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K
-    for k in tl.range(BLOCK_K if USE_PDL else 0, K, BLOCK_K, num_stages=NUM_STAGES):
-        cols = offs_k[None, None, :] < K - k                         # [1, 1, BK]
-        x = tl.load(x_ptrs, mask=x_rows & cols, other=0.0, eviction_policy="evict_last")
-        w = tl.load(w_ptrs, mask=w_rows & cols, other=0.0, eviction_policy="evict_first")
-        acc += x.to(tl.float32) * w.to(tl.float32)                   # [BM, BN, BK]
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K
+    if not (USE_PDL and WHOLE_K):  # (else the peeled step was all of K: no loop carries
+        # the accumulator tile, and the kernel takes half the registers)
+        for k in tl.range(BLOCK_K if USE_PDL else 0, K, BLOCK_K, num_stages=NUM_STAGES):
+            cols = offs_k[None, None, :] < K - k                     # [1, 1, BK]
+            x = tl.load(x_ptrs, mask=x_rows & cols, other=0.0, eviction_policy="evict_last")
+            w = tl.load(w_ptrs, mask=w_rows & cols, other=0.0, eviction_policy="evict_first")
+            acc += x.to(tl.float32) * w.to(tl.float32)               # [BM, BN, BK]
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K
     out = tl.sum(acc, axis=2)                                        # [BM, BN]
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n * stride_b, mask=offs_n < N, other=0.0)
@@ -111,7 +117,8 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 stride_xm=x.stride(0), stride_xk=x.stride(1), stride_wn=weight.stride(0),
                 stride_b=0 if bias is None else bias.stride(0), stride_om=out.stride(0),
                 HAS_BIAS=bias is not None, BLOCK_M=block_m(m), BLOCK_N=config.BLOCK_N,
-                BLOCK_K=config.BLOCK_K, NUM_STAGES=config.num_stages, USE_PDL=pdl)
+                BLOCK_K=config.BLOCK_K, WHOLE_K=config.BLOCK_K >= k,
+                NUM_STAGES=config.num_stages, USE_PDL=pdl)
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages,
                    **launch_options(pdl))
     return (triton.cdiv(n, config.BLOCK_N),), args, options
