@@ -18,9 +18,10 @@ An expert hit by several slots is read once per slot (from L2 after the first): 
 while slots rarely share experts, at the token counts where kernels_moe's table chooses its own
 slot path (``BLOCK_M == 1``). Launch parameters: ``gemv_configs.slot_moe_config``. No host
 syncs: capturable in a CUDA graph. In small decode steps (``qllm.plugins.pdl``) both kernels are
-launched with programmatic dependent launch and wait for the previous kernel at entry
-(``qllm.plugins.pdl.pdl_enter``): the expert ids come from the router, so no weight can be read
-before.
+launched with programmatic dependent launch, as in kernels_moe's slot path: the gate-up waits
+for the router at entry (the expert ids are its output) and only then lets the down launch, so
+the router has completed when the down starts; the down reads its ids and its first weight
+step before its own wait (``weight_row_dots``' PDL entry).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.plugins.pdl import pdl_arguments, pdl_enter
+from qllm.plugins.pdl import pdl_arguments, pdl_release, pdl_wait
 from qllm_kernels_moe.configs import GemmConfig
 
 from qllm_kernels_int8.triton_gemv import scale_block_k, weight_row_dots
@@ -41,8 +42,9 @@ def _expert_rows(ids_ptr, w_ptr, shared_w_ptr, scale_ptr, shared_scale_ptr, num_
                  scale_block_n):
     """This program's slot's expert (``num_experts``: the shared expert's tensors): pointers
     to its weight rows ``rows [R]`` and to each row's scales (int8: ``scale_block_n`` 1, one
-    scale per row; fp8: the row's block of ``scale_block_n`` rows)."""
-    expert = tl.load(ids_ptr + tl.program_id(0))
+    scale per row; fp8: the row's block of ``scale_block_n`` rows). The id is read past the L1
+    cache: the down reads it before its PDL wait (module docstring)."""
+    expert = tl.load(ids_ptr + tl.program_id(0), cache_modifier=".cg")
     shared = expert == num_experts
     w_base = tl.where(shared, shared_w_ptr, w_ptr + expert * stride_w_expert)
     s_base = tl.where(shared, shared_scale_ptr, scale_ptr + expert * stride_s_expert)
@@ -59,7 +61,8 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, scale_ptr, shared_scale_ptr
                          USE_PDL: tl.constexpr):
     """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` (dequantized ``w``) for
     slot ``s`` of token ``t = s // TOP_K`` routed to expert ``e``."""
-    pdl_enter(USE_PDL)  # the ids are the router's output, x the norm's
+    pdl_wait(USE_PDL)  # the ids are the router's output, x the norm's
+    pdl_release(USE_PDL)  # after the wait: the down reads the ids before its own
     ROWS: tl.constexpr = 2 * BLOCK_N
     slot = tl.program_id(0)
     pairs = tl.arange(0, ROWS)                                   # [2BN]: gate, up, gate, ...
@@ -86,15 +89,14 @@ def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, scale_ptr, shared_scale_p
                       NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     """``out[s, n] = round(routing_weights[s] * (hidden[s] . w[e, n]))`` (dequantized ``w``)
     for slot ``s`` routed to expert ``e``; ``round`` to ``out``'s dtype."""
-    pdl_enter(USE_PDL)  # hidden is the gate-up's output; ids and weights the router's
-    slot = tl.program_id(0)
+    slot = tl.program_id(0)  # the ids, read before the wait: the router has completed
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)      # [BN]
     w_rows, scale_rows = _expert_rows(
         ids_ptr, w_ptr, shared_w_ptr, scale_ptr, shared_scale_ptr, num_experts, n,
         stride_w_expert, stride_w_row, stride_s_expert, stride_s_row, scale_block_n)
     dots = weight_row_dots(hidden_ptr + slot * K, 0, 1, w_rows, n < N, scale_rows, K,
                            SCALE_BLOCK_K, FAST_INT8, 1, BLOCK_N, BLOCK_K,
-                           NUM_STAGES, False)                    # [1, BN]
+                           NUM_STAGES, USE_PDL)                  # [1, BN]; hidden: the gate-up's
     out = tl.sum(dots, axis=0) * tl.load(routing_weights_ptr + slot).to(tl.float32)
     tl.store(out_ptr + slot * N + n, out.to(out_ptr.dtype.element_ty), mask=n < N)
 

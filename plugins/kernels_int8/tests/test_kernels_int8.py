@@ -476,9 +476,10 @@ def test_gemv_pdl_sass(case, fmt, bias, monkeypatch):
 @pytest.mark.parametrize("gemm", ["gate_up", "down"])
 def test_slot_moe_pdl_sass(gemm, fmt, monkeypatch):
     """The slot MoE's gate-up and down kernels at one token of Qwen3.5-35B-A3B (9 slots),
-    compiled for sm_90 as launched: with PDL each waits at entry, before any load or store
-    (``qllm.testing.pdl.assert_pdl_sass``); without, no grid-dependency-control
-    instruction."""
+    compiled for sm_90 as launched: with PDL the gate-up waits at entry, before any load or
+    store, and lets the down launch after its wait; the down reads its ids and first weights
+    before its wait (``qllm.testing.pdl.assert_pdl_sass``); without, no
+    grid-dependency-control instruction."""
     from qllm_kernels_int8.triton_slot_moe import slot_down_8bit, slot_gate_up_8bit
 
     experts, hidden, inter, slots = 256, 2048, 512, 9
@@ -494,7 +495,9 @@ def test_slot_moe_pdl_sass(gemm, fmt, monkeypatch):
         args = (torch.empty(slots, inter, dtype=torch.bfloat16, device="meta"),
                 _meta_8bit(fmt, experts, hidden, inter), _meta_8bit(fmt, hidden, inter),
                 torch.empty(1, slots, dtype=torch.bfloat16, device="meta"), ids)
-    assert_pdl_sass(lambda: op(*args, tiles, block, fast_int8=True), monkeypatch)
+    assert_pdl_sass(lambda: op(*args, tiles, block, fast_int8=True), monkeypatch,
+                    reads_before_wait=gemm == "down",
+                    releases_after_wait={"_slot_gate_up_kernel"})
 
 
 test_triton_interpreter = interpreter_driver(__file__)
