@@ -23,7 +23,8 @@
 #   pdl: programmatic dependent launch (QLLM_PDL, qllm/plugins/pdl.py) of the decode path's
 #   kernels: bench_pdl.py (a 40-layer decode step's GEMV chain in a CUDA graph, PDL off, on,
 #   cuBLAS; then with --chain gemv, the GEMVs alone, every kernel PDL-launched), then the PDL
-#   tests (bits equal to PDL off, CUDA-graph replays, the SASS); PDL is on in steps of at most
+#   tests (bits equal to PDL off, CUDA-graph replays, the SASS; with the slot MoE's and the GDN
+#   decode's parity; pdl-tests: these alone); PDL is on in steps of at most
 #   16 rows unless QLLM_PDL=0 in the environment (the end-to-end measure:
 #   QLLM_PDL=0 bash benchmarks/gpu_run.sh w3, against a plain w3 in the same call);
 #   bench-int8: the 8-bit kernels against bf16 at those shapes (1 and 200 rows) and the MoE
@@ -159,6 +160,16 @@ w3_profiled() {  # w3_profiled NAME DIR [OPTION...]: W3 (one sequence, the bf16 
         --max-model-len 1024 --recurrent-state-dtype bfloat16 "$@" \
         --profile-decode 1 512 --profile-out "$dir"
 }
+pdl_tests() {  # every plugin's PDL tests (bits in CUDA graphs against PDL off; SASS), the
+    # slot MoE's and the GDN decode's parity
+    run pdl_tests 300 python3 -m pytest $PYTEST_GPU \
+        -k "(pdl or slot or decode_parity) and not interpreted" tests/test_pdl.py \
+        plugins/kernels_linear/tests/test_kernels_linear.py \
+        plugins/kernels_gdn/tests/test_kernels_gdn.py \
+        plugins/kernels_moe/tests/test_kernels_moe.py \
+        plugins/kernels_attention/tests/test_kernels_attention.py \
+        plugins/kernels_int8/tests/test_kernels_int8.py
+}
 for stage in "$@"; do
     case $stage in
         gpu-tests) run gpu_tests 480 python3 -m pytest $PYTEST_GPU --timeout 300 \
@@ -212,12 +223,8 @@ for stage in "$@"; do
                  plugins/kernels_linear/benchmarks/bench_pdl.py
              TAIL=${TAIL:-10} run bench_pdl_gemv 200 python3 \
                  plugins/kernels_linear/benchmarks/bench_pdl.py --chain gemv
-             run pdl_tests 240 python3 -m pytest $PYTEST_GPU -k pdl tests/test_pdl.py \
-                 plugins/kernels_linear/tests/test_kernels_linear.py \
-                 plugins/kernels_gdn/tests/test_kernels_gdn.py \
-                 plugins/kernels_moe/tests/test_kernels_moe.py \
-                 plugins/kernels_attention/tests/test_kernels_attention.py \
-                 plugins/kernels_int8/tests/test_kernels_int8.py ;;
+             pdl_tests ;;
+        pdl-tests) pdl_tests ;;
         bench-int8) TAIL=${TAIL:-12} run bench_int8 300 python3 \
                         plugins/kernels_int8/benchmarks/bench_int8.py ;;
         bench-int8-sweep) TAIL=${TAIL:-6} run bench_int8_sweep 480 python3 \
