@@ -18,8 +18,8 @@ An expert hit by several slots is read once per slot (from L2 after the first), 
 pays only while slots rarely share experts: the tuner decides up to which token count.
 Products are accumulated over ``[BLOCK_N, BLOCK_K]`` tiles in fp32 and reduced once per row at
 the end; a tile covering all of K is reduced at once, which halves the registers (the one-token
-entry's: gate-up 40 instead of 72, down 63 instead of 127), so more programs are resident,
-their tiles read, when the wait ends. No host syncs: capturable in a CUDA graph. In small decode steps
+entry's: gate-up 40 instead of 72, down 63 instead of 127), so more programs are resident, their
+tiles read, when the wait ends. No host syncs: capturable in a CUDA graph. In small decode steps
 (``qllm.plugins.pdl``) both kernels are launched with programmatic dependent launch. The gate-up
 waits for the router (``qllm.plugins.pdl.pdl_wait``) before reading the expert ids, and lets the
 down launch only after that wait: so when the down starts, the router has completed, and the
@@ -197,6 +197,6 @@ def slot_down(hidden: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor,
     _slot_down_kernel[grid](
         hidden, w2, shared_w2, topk_ids, topk_weights, out, w2.shape[0], hidden_size, inter,
         w2.stride(0), w2.stride(1), TOP_K=topk_ids.shape[1], BLOCK_N=config.BLOCK_N,
-        BLOCK_K=config.BLOCK_K, WHOLE_K=config.BLOCK_K >= inter, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_arguments(hidden.device, topk_ids.shape[0]))
+        BLOCK_K=config.BLOCK_K, WHOLE_K=config.BLOCK_K >= inter, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl_arguments(hidden.device, topk_ids.shape[0]))
     return out
