@@ -34,6 +34,8 @@ CORE_OPS: tuple[OpContract, ...] = (
     OpContract("linear", linear.linear, "a dense projection, x @ weight.T + bias"),
     OpContract("add_rms_norm", norm.add_rms_norm,
                "the residual add (a branch's partial outputs summed first), then RMSNorm"),
+    OpContract("add_rms_norm_linear", linear.add_rms_norm_linear,
+               "add_rms_norm, then a projection of its output (the two fused by kernels)"),
     OpContract("rms_norm_gated", norm.rms_norm_gated,
                "RMSNorm times silu(gate), closing a Gated DeltaNet layer"),
     OpContract("qk_norm_rope", rope.qk_norm_rope,

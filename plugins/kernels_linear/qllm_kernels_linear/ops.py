@@ -1,6 +1,8 @@
 """The Triton GEMV as the ``torch.library`` custom op ``qllm_linear::linear``, serving qllm's
-``linear`` op, and the residual add + RMSNorm before the projections as
-``qllm_linear::add_rms_norm``, serving ``add_rms_norm``.
+``linear`` op, the residual add + RMSNorm before the projections as
+``qllm_linear::add_rms_norm``, serving ``add_rms_norm``, and the two fused as
+``qllm_linear::add_rms_norm_linear``, serving ``add_rms_norm_linear`` (one kernel where the
+GEMV serves the rows and its tile covers all of K, else the two ops).
 
 A custom op is opaque to ``torch.compile``: its fake implementation gives the output's shape,
 so a ``fullgraph=True`` decode graph (with a symbolic batch size) stays whole and calls the op
@@ -71,3 +73,46 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     x2, residual2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, residual2))
     normed, summed = add_rms_norm_rows(x2, residual2, weight, eps, zero_centered)
     return normed.view(residual.shape), summed.view(residual.shape)
+
+
+@torch.library.custom_op("qllm_linear::add_rms_norm_linear", mutates_args=())
+def add_rms_norm_linear_rows(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                             eps: float, zero_centered: bool, weight: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x``, ``residual [T, D]``, ``weight [N, D]`` -> ``(normed @ weight.T, normed, x +
+    residual)``, ``normed = rms_norm(x + residual)`` (see ``triton_norm_gemv``)."""
+    from qllm_kernels_linear.triton_gemv import gemv_config
+    from qllm_kernels_linear.triton_norm_gemv import add_rms_norm_gemv, fuses
+
+    rows, dim = residual.shape
+    if takes_gemv(residual, weight, None) and x.dtype == residual.dtype == norm_weight.dtype:
+        config = gemv_config(rows, weight.shape[0], dim, residual.device)
+        if fuses(rows, dim, config):
+            return add_rms_norm_gemv(x, residual, norm_weight, eps, zero_centered, weight,
+                                     config)
+    normed, summed = add_rms_norm_rows(x, residual, norm_weight, eps, zero_centered)
+    return linear(normed, weight, None), normed, summed
+
+
+@add_rms_norm_linear_rows.register_fake
+def _add_rms_norm_linear_rows_fake(x, residual, norm_weight, eps, zero_centered, weight):
+    return (residual.new_empty(residual.shape[0], weight.shape[0]),
+            residual.new_empty(residual.shape), residual.new_empty(residual.shape))
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                        eps: float, zero_centered: bool, weight: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``add_rms_norm_linear`` for qllm (see ``qllm.ops.linear``): ``x`` and ``residual``
+    ``[..., D]``, the leading dims flattened to rows; ``x`` in parts (``[..., S, D]``) takes
+    ``add_rms_norm`` then ``linear``."""
+    if x.dim() > residual.dim():
+        normed, summed = add_rms_norm(x, residual, norm_weight, eps, zero_centered)
+        return linear(normed, weight, None), normed, summed
+    dim = residual.shape[-1]
+    x2, residual2 = (t.reshape(-1, dim) for t in (x, residual))
+    x2, residual2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, residual2))
+    out, normed, summed = add_rms_norm_linear_rows(x2, residual2, norm_weight, eps,
+                                                   zero_centered, weight)
+    return (out.view(*residual.shape[:-1], weight.shape[0]), normed.view(residual.shape),
+            summed.view(residual.shape))

@@ -107,6 +107,12 @@ def _gpu_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
+def gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
+    """The launch config for ``m`` rows through a weight ``[n, k]`` on ``device``: the sweep's
+    for this GPU and shape (``swept``), else the rule (``configs.default_config``)."""
+    return swept_config(m, n, k, gpu_name(device)) or default_config(m, n, k)
+
+
 def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 out: torch.Tensor, config: GemvConfig, pdl: bool) -> tuple[tuple, dict, dict]:
     """The kernel's launch for ``out [M, N] = x [M, K] @ weight [N, K]^T (+ bias)``: its grid,
@@ -144,7 +150,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv needs contiguous weight rows, got strides {weight.stride()}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"gemv: bias of shape {tuple(bias.shape)} for {n} output features")
-    config = config or swept_config(m, n, k, gpu_name(x.device)) or default_config(m, n, k)
+    config = config or gemv_config(m, n, k, x.device)
     pdl = use_pdl(x.device, m, pdl)
     out = x.new_empty(m, n)
     grid, args, options = gemv_launch(x, weight, bias, out, config, pdl)

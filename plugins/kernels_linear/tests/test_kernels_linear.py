@@ -1,8 +1,10 @@
 """The qllm-kernels-linear plugin against ``F.linear`` (the ``linear`` op's reference,
-``qllm.ops.linear``), and its residual add + RMSNorm against ``qllm.ops.norm.add_rms_norm``
+``qllm.ops.linear``), its residual add + RMSNorm against ``qllm.ops.norm.add_rms_norm``
 (the ``add_rms_norm`` op's reference: the sum exactly, the norm within a rounding; rows 1, 5
 and 200 of 2,048 and 96 features on CUDA, tiny ones interpreted, both weight flavours, strided
-rows, ``opcheck``).
+rows, ``opcheck``), and the two fused (``add_rms_norm_linear``: the add and norm as
+``add_rms_norm``'s, the projection that of its normed rows; fused at 1 to 4 rows, the two ops
+beyond and for ``x`` in parts; the PDL bits in a CUDA graph, the SASS, one graph node).
 
 - CUDA (skipped without a GPU): bf16 and fp16 parity at the Qwen3.5-35B-A3B projection shapes
   for 1 to 5 and 16 rows (5 and 16 take ``F.linear``), with and without bias; strided and
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 
 import pytest
 import torch
@@ -77,6 +80,15 @@ def check_add_rms_norm(device: str, dtype: torch.dtype, rows: int, dim: int,
     ``parts`` (``[T, parts, D]``), and a contiguous residual, against the reference."""
     x, residual, weight = norm_inputs(rows, dim, dtype, device, zero_centered, parts)
     normed, summed = ops.add_rms_norm(x, residual, weight, 1e-6, zero_centered)
+    assert_norm_close(normed, summed, x, residual, weight, zero_centered, device, parts)
+
+
+def assert_norm_close(normed: torch.Tensor, summed: torch.Tensor, x: torch.Tensor,
+                      residual: torch.Tensor, weight: torch.Tensor, zero_centered: bool,
+                      device: str, parts: int = 0) -> None:
+    """A kernel's ``(normed, summed)`` against ``qllm.ops.norm.add_rms_norm`` on its inputs:
+    the sum exactly where the rounding allows, the norm within a rounding."""
+    dtype = residual.dtype
     ref_normed, ref_summed = norm.add_rms_norm(x, residual, weight, 1e-6, zero_centered)
     assert normed.dtype == summed.dtype == dtype
     assert normed.shape == summed.shape == residual.shape
@@ -91,6 +103,30 @@ def check_add_rms_norm(device: str, dtype: torch.dtype, rows: int, dim: int,
 
 
 flavours = pytest.mark.parametrize("zero_centered", [False, True], ids=["plain", "zero-centred"])
+
+
+def norm_linear_inputs(device: str, dtype: torch.dtype, rows: int, n: int, dim: int,
+                       zero_centered: bool, parts: int = 0) -> tuple:
+    """``add_rms_norm_linear``'s tensors (``norm_inputs``, then a projection weight ``[n,
+    dim]``; ``linear_inputs`` synchronises after both, as a launch with PDL reads the weights
+    before its wait)."""
+    x, residual, norm_weight = norm_inputs(rows, dim, dtype, device, zero_centered, parts)
+    return x, residual, norm_weight, linear_inputs(1, n, dim, dtype, device).weight
+
+
+def check_add_rms_norm_linear(device: str, dtype: torch.dtype, rows: int, n: int, dim: int,
+                              zero_centered: bool, parts: int = 0) -> None:
+    """The fused op's three outputs: the add and the norm as ``add_rms_norm``'s
+    (``assert_norm_close``), the projection that of its own normed rows by ``F.linear`` in
+    fp32."""
+    x, residual, norm_weight, weight = norm_linear_inputs(device, dtype, rows, n, dim,
+                                                          zero_centered, parts)
+    out, normed, summed = ops.add_rms_norm_linear(x, residual, norm_weight, 1e-6,
+                                                  zero_centered, weight)
+    assert_norm_close(normed, summed, x, residual, norm_weight, zero_centered, device, parts)
+    assert out.dtype == dtype and out.shape == (rows, n)
+    ref = F.linear(normed.float(), weight.float())
+    torch.testing.assert_close(out.float(), ref, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 def opcheck_op(device: str, dtype: torch.dtype) -> None:
@@ -132,6 +168,17 @@ def test_add_rms_norm_parity(rows, dim, dtype, zero_centered):
 def test_add_rms_norm_parts_parity(rows, parts):
     """``x`` as the MoE's per-slot outputs ``[T, k + 1, D]`` (Qwen3.5-35B-A3B: 8 + 1)."""
     check_add_rms_norm("cuda", torch.bfloat16, rows, 2048, True, parts)
+
+
+@cuda
+@flavours
+@pytest.mark.parametrize("dtype", HALF.values(), ids=HALF.keys())
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 200], ids=lambda m: f"m{m}")
+def test_add_rms_norm_linear_parity(rows, dtype, zero_centered):
+    """At the MoE router's projection (``moe_input``): fused at 1 to 4 rows, the two ops
+    beyond."""
+    check_add_rms_norm_linear("cuda", dtype, rows, *QWEN3_5_35B_A3B_SHAPES["moe_input"],
+                              zero_centered)
 
 
 @cuda
@@ -282,6 +329,20 @@ def test_pdl_add_rms_norm_in_cuda_graph(parts, monkeypatch):
     require_pdl_gpu()
     inputs = norm_inputs(1, 2048, torch.bfloat16, "cuda", True, parts)
     assert_graph_bits_equal(lambda: ops.add_rms_norm(*inputs, 1e-6, True), monkeypatch)
+
+
+@cuda
+@pytest.mark.parametrize("rows", [1, 4], ids=lambda m: f"m{m}")
+def test_pdl_add_rms_norm_linear_in_cuda_graph(rows, monkeypatch):
+    """The add + norm + router projection at one and four rows of 2,048 with ``QLLM_PDL``
+    on, eagerly and in a replayed CUDA graph: the bits without PDL."""
+    require_pdl_gpu()
+    inputs = norm_linear_inputs("cuda", torch.bfloat16, rows,
+                                *QWEN3_5_35B_A3B_SHAPES["moe_input"], True)
+    x, residual, norm_weight, weight = inputs
+    assert_graph_bits_equal(
+        lambda: ops.add_rms_norm_linear(x, residual, norm_weight, 1e-6, True, weight),
+        monkeypatch)
 
 
 def _copied_in(x, layer, linear):
@@ -442,6 +503,11 @@ def test_plugin_registration():
         assert kernels.names()["add_rms_norm"] == ("triton" if HAS_TRITON else "torch")
     assert registry.kernels(torch.device("cpu"), torch.bfloat16).names()["add_rms_norm"] \
         == "torch"
+    for dtype in HALF.values():
+        kernels = registry.kernels(torch.device("cuda"), dtype)
+        assert kernels.names()["add_rms_norm_linear"] == ("triton" if HAS_TRITON else "torch")
+    assert registry.kernels(torch.device("cuda"),
+                            torch.float32).names()["add_rms_norm_linear"] == "torch"
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -531,6 +597,67 @@ def test_pdl_add_rms_norm_sass(parts, monkeypatch):
                     reads_before_wait=True)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("rows", [1, 4], ids=lambda m: f"m{m}")
+def test_pdl_add_rms_norm_linear_sass(rows, monkeypatch):
+    """The fused add + norm + router projection compiled for sm_90 as launched at one and four
+    rows: with PDL it waits after reading its weight tile and the norm's weight, before any
+    other load or store; without, no grid-dependency-control instruction."""
+    from qllm_kernels_linear.triton_gemv import gemv_config
+    from qllm_kernels_linear.triton_norm_gemv import add_rms_norm_gemv
+
+    n, k = QWEN3_5_35B_A3B_SHAPES["moe_input"]
+    x, residual, norm_weight, weight = on_meta(*norm_linear_inputs("cpu", torch.bfloat16, rows,
+                                                                   n, k, True))
+    config = gemv_config(rows, n, k, x.device)
+    assert_pdl_sass(lambda: add_rms_norm_gemv(x, residual, norm_weight, 1e-6, True, weight,
+                                              config), monkeypatch, reads_before_wait=True)
+
+
+def test_norm_gemv_fuses_whole_k_tiles_of_gemv_rows():
+    from qllm_kernels_linear.triton_norm_gemv import fuses
+
+    n, k = QWEN3_5_35B_A3B_SHAPES["moe_input"]
+    assert all(fuses(rows, k, default_config(rows, n, k)) for rows in range(1, MAX_GEMV_ROWS + 1))
+    assert not fuses(MAX_GEMV_ROWS + 1, k, default_config(1, n, k))
+    assert not fuses(1, k, GemvConfig(2, 1024, 2, 1))  # a K loop
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_add_rms_norm_gemv_rejects_what_it_does_not_serve():
+    from qllm_kernels_linear.triton_norm_gemv import add_rms_norm_gemv
+
+    x, residual, norm_weight, weight = norm_linear_inputs("cpu", torch.bfloat16, 2, 6, 8, True)
+    config = default_config(2, 6, 8)
+    with pytest.raises(ValueError, match=r"x and residual \[M, K\]"):
+        add_rms_norm_gemv(x[:1], residual, norm_weight, 1e-6, True, weight, config)
+    with pytest.raises(ValueError, match="unit last strides"):
+        add_rms_norm_gemv(x, residual, norm_weight, 1e-6, True, weight.t().contiguous().t(),
+                          config)
+    with pytest.raises(ValueError, match="one dtype"):
+        add_rms_norm_gemv(x, residual, norm_weight.float(), 1e-6, True, weight, config)
+    with pytest.raises(ValueError, match="BLOCK_K >= K"):
+        add_rms_norm_gemv(x, residual, norm_weight, 1e-6, True, weight, GemvConfig(2, 4, 1, 1))
+
+
+def test_add_rms_norm_linear_compiles_to_one_node():
+    """Under ``torch.compile(fullgraph=True)`` with a symbolic row count the fused op is one
+    graph node whose fake gives its three outputs (meta tensors: no kernel runs)."""
+
+    def run(backend):
+        compiled = torch.compile(ops.add_rms_norm_linear, fullgraph=True, dynamic=True,
+                                 backend=backend)
+        for rows in (3, 7):
+            x, residual, norm_weight, weight = on_meta(*norm_linear_inputs(
+                "cpu", torch.bfloat16, rows, 24, 40, True))
+            out, normed, summed = compiled(x, residual, norm_weight, 1e-6, True, weight)
+            assert out.shape == (rows, 24) and normed.shape == summed.shape == (rows, 40)
+
+    (graph,) = graphs_traced_by(run)
+    fused = torch.ops.qllm_linear.add_rms_norm_linear.default
+    assert called_ops(graph) == [fused] + [operator.getitem] * 3  # the op and its outputs
+
+
 test_triton_interpreter = interpreter_driver(__file__)
 
 
@@ -598,3 +725,26 @@ def test_interpreted_add_rms_norm_opcheck():
                               (x, residual, torch.randn(40), 1e-6, zero_centered))
     torch.library.opcheck(ops.add_rms_norm_rows,
                           (torch.randn(3, 2, 40), residual, torch.randn(40), 1e-6, True))
+
+
+@interpreted
+@flavours
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", range(1, MAX_GEMV_ROWS + 2), ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("shape", [(24, 48), (7, 40)], ids=["n24-k48", "n7-k40"])
+def test_interpreted_add_rms_norm_linear_parity(shape, rows, dtype, zero_centered):
+    """Fused at 1 to 4 rows (a partial row tile, K not a power of two), the two ops at 5."""
+    check_add_rms_norm_linear("cpu", dtype, rows, *shape, zero_centered)
+
+
+@interpreted
+def test_interpreted_add_rms_norm_linear_in_parts():
+    """``x`` in parts (the MoE's per-slot outputs) takes ``add_rms_norm`` then ``linear``."""
+    check_add_rms_norm_linear("cpu", torch.float32, 2, 24, 40, True, parts=3)
+
+
+@interpreted
+def test_interpreted_add_rms_norm_linear_opcheck():
+    for rows in (2, MAX_GEMV_ROWS + 1):
+        torch.library.opcheck(ops.add_rms_norm_linear_rows, norm_linear_inputs(
+            "cpu", torch.float32, rows, 24, 40, True)[:3] + (1e-6, True, torch.randn(24, 40)))

@@ -67,6 +67,8 @@ class DecoderLayer(nn.Module):
             hidden = self.linear_attn(hidden, batch)
         else:
             hidden = self.self_attn(positions, hidden, batch)
+        if isinstance(self.mlp, SparseMoeBlock):  # the add and norm join the router's GEMV
+            return self.mlp.after_add_norm(hidden, residual, self.post_attention_layernorm)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

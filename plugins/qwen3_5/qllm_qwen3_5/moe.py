@@ -20,6 +20,7 @@ from qllm.distributed.parallel_state import TensorParallel, all_reduce, get_tp
 from qllm.distributed.shards import narrow_part, narrow_sections
 from qllm.layers.linear import PackedLinear, default_weight_loader
 from qllm.layers.mlp import SwiGLUMLP
+from qllm.layers.norm import RMSNorm
 from qllm.plugins.registry import Kernels
 
 
@@ -129,6 +130,7 @@ class SparseMoeBlock(nn.Module):
         # 8-bit weight formats keep the router's logits in full precision (Qwen's FP8
         # checkpoints keep gate and shared_expert_gate in bf16 too)
         self.input_proj.quantizable = False
+        self._add_rms_norm_linear = kernels.add_rms_norm_linear
         self.router = Router(config.num_experts_per_tok, renormalize, kernels)
         self.tp = get_tp()
         self.experts = Experts(config.num_experts, config.hidden_size,
@@ -145,7 +147,22 @@ class SparseMoeBlock(nn.Module):
         """``x [T, H]`` -> the per-slot outputs ``[T, k + 1, H]`` (the last slot the shared
         expert's), whose sum is the block's output: the decoder layer's residual add
         (``RMSNorm`` with a residual) takes them."""
-        logits = self.input_proj(x)[:, :self.num_experts + 1]  # [T, E + 1]: router, shared gate
+        return self._experts(x, self.input_proj(x))
+
+    def after_add_norm(self, branch: torch.Tensor, residual: torch.Tensor,
+                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block after the residual add and ``norm`` of the branch before it: ``branch``
+        and ``residual [T, H]`` -> ``(forward(x), x_sum)`` with ``(x, x_sum) = norm(branch,
+        residual)``, the add and the norm computed with the router's projection (the
+        ``add_rms_norm_linear`` op: in a decode step, one kernel for the three)."""
+        logits, x, summed = self._add_rms_norm_linear(branch, residual, norm.weight, norm.eps,
+                                                      norm.zero_centered,
+                                                      self.input_proj.weight)
+        return self._experts(x, logits), summed
+
+    def _experts(self, x: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` and ``input_proj(x)`` (rows padded) -> ``forward(x)``."""
+        logits = projected[:, :self.num_experts + 1]  # [T, E + 1]: router, shared gate
         weights, ids = self.router(logits)  # [T, k + 1] each
         if self.shared_expert_fused:
             out = self.experts(x, weights, ids, self.shared_expert.gate_up_proj.weight,
