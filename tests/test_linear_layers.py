@@ -1,6 +1,6 @@
 """The ``linear`` op: the core registers ``F.linear`` for it, and every dense projection of the
-models (attention, Gated DeltaNet, dense MLP, MoE input, the LM head) runs through the chosen
-kernel."""
+models (attention, Gated DeltaNet, dense MLP, the LM head) runs through the chosen kernel; the
+MoE input projection through the chosen ``add_rms_norm_linear`` (the norm before it fused)."""
 
 from __future__ import annotations
 
@@ -19,19 +19,28 @@ from qllm.testing import save_tiny_qwen3
 
 
 class RecordingLinear:
-    """A plugin whose ``linear`` kernel outranks every other and records each call's
-    ``(weight, bias)`` before computing ``F.linear``."""
+    """A plugin whose ``linear`` and ``add_rms_norm_linear`` kernels outrank every other and
+    record each call's ``(weight, bias)`` (``None`` for the fused op's projection) before
+    computing the references."""
 
     def __init__(self):
         self.calls: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.fused_calls: list[torch.Tensor] = []  # add_rms_norm_linear's weights
 
     @hookimpl
     def qllm_kernels(self):
-        return [KernelSpec(op="linear", name="recording", fn=self.linear, priority=100)]
+        return [KernelSpec(op="linear", name="recording", fn=self.linear, priority=100),
+                KernelSpec(op="add_rms_norm_linear", name="recording",
+                           fn=self.add_rms_norm_linear, priority=100)]
 
     def linear(self, x, weight, bias):
         self.calls.append((weight, bias))
         return F.linear(x, weight, bias)
+
+    def add_rms_norm_linear(self, x, residual, norm_weight, eps, zero_centered, weight):
+        self.fused_calls.append(weight)
+        return reference.add_rms_norm_linear(x, residual, norm_weight, eps, zero_centered,
+                                             weight)
 
 
 def test_reference_is_registered_as_the_builtin_kernel():
@@ -71,8 +80,9 @@ def test_model_projections_run_through_the_linear_op(kind, tmp_path):
     """Prefill and a decode step of a tiny model: every ``nn.Linear`` is a ``Linear`` of the
     chosen kernel, and each one the forward uses (all but the shared expert's, whose weights
     the ``fused_moe`` op reads) reaches the kernel with its own weight and bias, as does the
-    LM head. Qwen3-Next has every kind of projection: GDN and gated attention layers, dense
-    and MoE MLPs."""
+    LM head; the MoE input projections reach the chosen ``add_rms_norm_linear`` instead.
+    Qwen3-Next has every kind of projection: GDN and gated attention layers, dense and MoE
+    MLPs."""
     path, model_plugin = _checkpoint(kind, tmp_path)
     recorder = RecordingLinear()
     registry = PluginRegistry([recorder, model_plugin], load_entry_points=False)
@@ -84,8 +94,13 @@ def test_model_projections_run_through_the_linear_op(kind, tmp_path):
                if isinstance(m, nn.Linear)}
     assert linears and all(isinstance(m, Linear) for m in linears.values())
     calls = {id(weight): bias for weight, bias in recorder.calls}
+    fused = {id(weight) for weight in recorder.fused_calls}
     used = {name for name, m in linears.items() if id(m.weight) in calls}
-    assert used == {name for name in linears if ".shared_expert." not in name}
+    moe_inputs = {name for name in linears if name.endswith(".mlp.input_proj")}
+    assert used == {name for name in linears
+                    if ".shared_expert." not in name and name not in moe_inputs}
+    assert {name for name in moe_inputs if id(linears[name].weight) in fused} == moe_inputs
+    assert bool(moe_inputs) == (kind == "qwen3_next")
     assert all(calls[id(linears[name].weight)] is linears[name].bias for name in used)
     head = llm.engine.model.lm_head.weight
     assert id(head) in calls and calls[id(head)] is None
