@@ -2,7 +2,8 @@
 ``linear`` op, the residual add + RMSNorm before the projections as
 ``qllm_linear::add_rms_norm``, serving ``add_rms_norm``, and the two fused as
 ``qllm_linear::add_rms_norm_linear``, serving ``add_rms_norm_linear`` (one kernel where the
-GEMV serves the rows and its tile covers all of K, else the two ops).
+GEMV serves the rows and its tile covers all of K and ``x`` comes in one part, else the two
+ops).
 
 A custom op is opaque to ``torch.compile``: its fake implementation gives the output's shape,
 so a ``fullgraph=True`` decode graph (with a symbolic batch size) stays whole and calls the op
@@ -67,29 +68,38 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
                  zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm`` for qllm (see ``qllm.ops.norm``): ``residual [..., D]`` and ``x`` of
     its shape or in parts ``[..., S, D]``, the leading dims flattened to rows."""
+    normed, summed = add_rms_norm_rows(*_as_rows(x, residual), weight, eps, zero_centered)
+    return normed.view(residual.shape), summed.view(residual.shape)
+
+
+def _as_rows(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., (S,) D]`` and ``residual [..., D]`` as ``[T, S, D]`` (``S = 1`` for ``x`` of
+    the residual's shape) and ``[T, D]``, the leading dims flattened to rows, with unit last
+    strides (what the kernels read)."""
     dim = residual.shape[-1]
     residual2 = residual.reshape(-1, dim)
-    x2 = x.reshape(residual2.shape[0], -1, dim)  # [T, S, D]; S = 1 for x of residual's shape
-    x2, residual2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, residual2))
-    normed, summed = add_rms_norm_rows(x2, residual2, weight, eps, zero_centered)
-    return normed.view(residual.shape), summed.view(residual.shape)
+    x2 = x.reshape(residual2.shape[0], -1, dim)
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (x2, residual2))
 
 
 @torch.library.custom_op("qllm_linear::add_rms_norm_linear", mutates_args=())
 def add_rms_norm_linear_rows(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                              eps: float, zero_centered: bool, weight: torch.Tensor
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x``, ``residual [T, D]``, ``weight [N, D]`` -> ``(normed @ weight.T, normed, x +
-    residual)``, ``normed = rms_norm(x + residual)`` (see ``triton_norm_gemv``)."""
+    """``residual [T, D]``, ``x [T, S, D]`` (``S`` parts, summed first), ``weight [N, D]`` ->
+    ``(normed @ weight.T, normed, x + residual)``, ``normed = rms_norm(x + residual)``: one
+    kernel (``triton_norm_gemv``) for ``x`` in one part, else ``add_rms_norm`` then
+    ``linear``."""
     from qllm_kernels_linear.triton_gemv import gemv_config
     from qllm_kernels_linear.triton_norm_gemv import add_rms_norm_gemv, fuses
 
     rows, dim = residual.shape
-    if takes_gemv(residual, weight, None) and x.dtype == residual.dtype == norm_weight.dtype:
+    if (x.shape[1] == 1 and takes_gemv(residual, weight, None)
+            and x.dtype == residual.dtype == norm_weight.dtype):
         config = gemv_config(rows, weight.shape[0], dim, residual.device)
         if fuses(rows, dim, config):
-            return add_rms_norm_gemv(x, residual, norm_weight, eps, zero_centered, weight,
-                                     config)
+            return add_rms_norm_gemv(x[:, 0], residual, norm_weight, eps, zero_centered,
+                                     weight, config)
     normed, summed = add_rms_norm_rows(x, residual, norm_weight, eps, zero_centered)
     return linear(normed, weight, None), normed, summed
 
@@ -103,16 +113,9 @@ def _add_rms_norm_linear_rows_fake(x, residual, norm_weight, eps, zero_centered,
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                         eps: float, zero_centered: bool, weight: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``add_rms_norm_linear`` for qllm (see ``qllm.ops.linear``): ``x`` and ``residual``
-    ``[..., D]``, the leading dims flattened to rows; ``x`` in parts (``[..., S, D]``) takes
-    ``add_rms_norm`` then ``linear``."""
-    if x.dim() > residual.dim():
-        normed, summed = add_rms_norm(x, residual, norm_weight, eps, zero_centered)
-        return linear(normed, weight, None), normed, summed
-    dim = residual.shape[-1]
-    x2, residual2 = (t.reshape(-1, dim) for t in (x, residual))
-    x2, residual2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, residual2))
-    out, normed, summed = add_rms_norm_linear_rows(x2, residual2, norm_weight, eps,
+    """``add_rms_norm_linear`` for qllm (see ``qllm.ops.linear``): ``residual [..., D]`` and
+    ``x`` of its shape or in parts ``[..., S, D]``, the leading dims flattened to rows."""
+    out, normed, summed = add_rms_norm_linear_rows(*_as_rows(x, residual), norm_weight, eps,
                                                    zero_centered, weight)
     return (out.view(*residual.shape[:-1], weight.shape[0]), normed.view(residual.shape),
             summed.view(residual.shape))

@@ -745,6 +745,10 @@ def test_interpreted_add_rms_norm_linear_in_parts():
 
 @interpreted
 def test_interpreted_add_rms_norm_linear_opcheck():
-    for rows in (2, MAX_GEMV_ROWS + 1):
-        torch.library.opcheck(ops.add_rms_norm_linear_rows, norm_linear_inputs(
-            "cpu", torch.float32, rows, 24, 40, True)[:3] + (1e-6, True, torch.randn(24, 40)))
+    """On the fused kernel (x in one part, 2 rows) and the two ops (x in parts, 5 rows)."""
+    for rows, parts in ((2, 0), (2, 3), (MAX_GEMV_ROWS + 1, 0)):
+        x, residual, norm_weight, _ = norm_linear_inputs("cpu", torch.float32, rows, 24, 40,
+                                                         True, parts)
+        x = x.unsqueeze(1) if x.dim() == 2 else x  # the op's [T, S, D]
+        torch.library.opcheck(ops.add_rms_norm_linear_rows,
+                              (x, residual, norm_weight, 1e-6, True, torch.randn(24, 40)))
