@@ -47,13 +47,21 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, eps,
                      other=0.0).to(tl.float32)
     summed = (x + residual.to(tl.float32)).to(residual.dtype)  # [D]
     tl.store(sum_ptr + row * D + dims, summed, mask=mask)
+    out = rms_normed(summed, weight, eps, D, ZERO_CENTERED)
+    tl.store(out_ptr + row * D + dims, out, mask=mask)
+
+
+@triton.jit
+def rms_normed(summed, weight, eps, D, ZERO_CENTERED: tl.constexpr):
+    """RMSNorm of ``summed [..., BLOCK_D]`` (rows of ``D`` features, the padding zeros) over its
+    last axis, in ``summed``'s dtype, with the reference's casts: ``x_hat`` in fp32; a plain
+    ``weight`` (fp32, ``[BLOCK_D]`` broadcast) multiplying ``x_hat`` rounded to that dtype, a
+    zero-centred one multiplying in fp32."""
     s = summed.to(tl.float32)
-    x_hat = s * tl.rsqrt(tl.sum(s * s, axis=0) / D + eps)
+    x_hat = s * tl.rsqrt(tl.sum(s * s, axis=len(s.shape) - 1, keep_dims=True) / D + eps)
     if ZERO_CENTERED:
-        out = x_hat * (1.0 + weight)
-    else:
-        out = weight * x_hat.to(residual.dtype).to(tl.float32)
-    tl.store(out_ptr + row * D + dims, out.to(out_ptr.dtype.element_ty), mask=mask)
+        return (x_hat * (1.0 + weight)).to(summed.dtype)
+    return (weight * x_hat.to(summed.dtype).to(tl.float32)).to(summed.dtype)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from qllm.plugins.pdl import launch_options, pdl_release, pdl_wait, use_pdl
 from qllm_kernels_linear.configs import MAX_GEMV_ROWS, GemvConfig, block_m
+from qllm_kernels_linear.triton_norm import rms_normed
 
 
 # N only bounds the rows, so a new N needs no new compile (as in the GEMV).
@@ -49,12 +50,7 @@ def _add_rms_norm_gemv_kernel(x_ptr, residual_ptr, norm_w_ptr, w_ptr, out_ptr, n
     residual = tl.load(residual_ptr + offs_m[:, None, None] * stride_rm + offs_k,
                        mask=row_mask, other=0.0)                     # [BM, 1, BK]
     summed = (x.to(tl.float32) + residual.to(tl.float32)).to(residual.dtype)
-    s = summed.to(tl.float32)
-    x_hat = s * tl.rsqrt(tl.sum(s * s, axis=2, keep_dims=True) / K + eps)
-    if ZERO_CENTERED:
-        normed = (x_hat * (1.0 + norm_w)).to(residual.dtype)
-    else:
-        normed = (norm_w * x_hat.to(residual.dtype).to(tl.float32)).to(residual.dtype)
+    normed = rms_normed(summed, norm_w, eps, K, ZERO_CENTERED)        # [BM, 1, BK]
     first = row_mask & (tl.program_id(0) == 0)  # one program stores the rows
     rows_out = offs_m[:, None, None] * K + offs_k                    # [BM, 1, BK]
     tl.store(normed_ptr + rows_out, normed, mask=first)
