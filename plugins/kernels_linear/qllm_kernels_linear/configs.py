@@ -14,6 +14,16 @@ end. The rule's reasoning, refined by the sweep at one row on the H200 (2026-11-
   sm_90: with fewer columns per warp, Triton moves ``x`` through shared memory, with a
   barrier, in every loop step). The sweep's candidates keep ``BLOCK_K`` a multiple of
   ``256 * num_warps``;
+- ... or, at one row, up to four spans, where ``BLOCK_K`` then covers all of K and one weight
+  row's tile fits the accumulator bound: a decode step's GEMV reads its first tile before its PDL wait
+  (``triton_gemv``), and whole-K tiles (no loop, half the registers) let its resident
+  programs hold more of the weight when the wait ends. At one row of ``[2048, 4096]`` (the
+  GDN ``out_proj`` and attention ``o_proj`` of Qwen3.5-35B-A3B) 2 x 4,096 tiles, 67 registers,
+  hold 15 of its 16.8 MB against 8.4 with 4 x 2,048 (123 registers): W3 ran 388.7, 388.3 and
+  388.4 tok/s against 384.6 to 385.7 in five runs of the two-span rule (H100, one machine,
+  2026-12-07; 4 x 4,096 tiles on 4 or 8 warps, holding all of it: 384.5, the recurrence
+  before the projection slowed by as much). Timed alone with the L2 flushed (the sweep
+  below), the two-span tile is the faster one;
 - enough programs to fill the GPU (``MIN_PROGRAMS``): small ``N`` (the MoE router's 264 rows)
   takes fewer rows per program instead of a split-K, which would need a second launch or
   atomics to combine partial sums;
@@ -26,7 +36,7 @@ end. The rule's reasoning, refined by the sweep at one row on the H200 (2026-11-
   0.1 to 0.8 us (2026-11-30).
 
 Measured (``bench_linear.py --sweep --rows 1``, L2 flushed, us, rule before -> this rule's
-config): ``[2048, 4096]`` 12.64 -> 10.91, ``[264, 2048]`` 6.88 -> about 6.4, ``[12352,
+config): ``[2048, 4096]`` 12.64 -> 10.91 (two spans; whole K, above, wins inside W3), ``[264, 2048]`` 6.88 -> about 6.4, ``[12352,
 2048]`` 21.95 -> 18.50, ``[9216, 2048]`` 18.11 -> 15.62; cuBLAS 13.95, 9.15, 22.82, 18.46.
 
 The vector of 8 elements assumes fp16 / bf16 (the dtypes the plugin serves); fp32 (the
@@ -64,6 +74,7 @@ MAX_WARPS = 4
 THREAD_VECTOR = 8  # elements of a 16-byte load of fp16 / bf16
 WARP_COLUMNS = 32 * THREAD_VECTOR  # columns one warp spans
 WARP_SPANS = 2  # times each warp spans its columns per loop step
+WHOLE_K_SPANS = 4  # ... or up to this many, where the tile then covers all of K
 
 
 @dataclass(frozen=True)
@@ -90,11 +101,14 @@ def block_m(m: int) -> int:
 
 def default_config(m: int, n: int, k: int) -> GemvConfig:
     """The rule for ``m <= MAX_GEMV_ROWS`` rows and ``weight [n, k]`` (see the module
-    docstring). At batch 1: ``[2048, 4096]``, ``[12352, 2048]`` and ``[9216, 2048]`` take 4
-    rows x 2,048 columns per program (4 warps), ``[264, 2048]`` 2 rows (132 programs)."""
-    rows = block_m(m)
-    warps = max(1, min(MAX_WARPS, next_power_of_2(k) // WARP_COLUMNS))
-    block_k = max(16, min(next_power_of_2(k), WARP_SPANS * WARP_COLUMNS * warps))
+    docstring). At batch 1: ``[12352, 2048]`` and ``[9216, 2048]`` take 4 rows x 2,048
+    columns per program (4 warps), ``[2048, 4096]`` 2 rows x 4,096, ``[264, 2048]`` 2 rows x
+    2,048 (132 programs)."""
+    rows, columns = block_m(m), next_power_of_2(k)
+    warps = max(1, min(MAX_WARPS, columns // WARP_COLUMNS))
+    block_k = max(16, min(columns, WARP_SPANS * WARP_COLUMNS * warps))
+    if m == 1 and columns <= min(WHOLE_K_SPANS * WARP_COLUMNS, 32 * ACC_REGISTERS) * warps:
+        block_k = columns  # whole K, a weight row's tile within the accumulator bound
     registers_per_row = max(1, block_k // (32 * warps))  # per (input row, weight row)
     block_n = MAX_BLOCK_N
     while block_n > 1 and (-(-n // block_n) < MIN_PROGRAMS

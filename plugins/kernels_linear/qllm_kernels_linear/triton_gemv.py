@@ -26,7 +26,8 @@ step covers all of K (``WHOLE_K``) there is no loop, so no accumulator tile live
 the kernel takes half the registers (64 instead of 123 at the GDN ``in_proj``'s 4 x 2,048
 tile), and twice the programs are resident, their first tiles read, when the wait ends. At one row
 ``BLOCK_K`` covers all of ``K = 2048`` (the GDN ``in_proj``, ``qkv_proj``, the MoE
-``input_proj``), half of ``K = 4096`` (``out_proj`` / ``o_proj``). The wait sits on the one path
+``input_proj``) and of ``K = 4096`` (``out_proj`` / ``o_proj``, two weight rows a program:
+``configs``). The wait sits on the one path
 every thread runs (no branch before it), as PDL requires of every PDL-launched kernel: the next
 one relies on it. Without ``USE_PDL`` the constexpr prunes all of it and the kernel compiles to
 the same code as before the switch existed. On an H200, in a CUDA graph of 80 GEMVs each fed by

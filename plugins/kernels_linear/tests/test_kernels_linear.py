@@ -411,7 +411,8 @@ def test_launch_config_rule():
             accumulator = block_m(rows) * config.BLOCK_N * config.BLOCK_K // (32 * config.num_warps)
             assert accumulator <= ACC_REGISTERS
             assert config in candidates(rows, n, k)  # the sweep compares against it
-    assert default_config(1, 2048, 4096) == GemvConfig(4, 2048, 4, 1)
+    assert default_config(1, 2048, 4096) == GemvConfig(2, 4096, 4, 1)  # whole K at one row
+    assert default_config(2, 2048, 4096) == GemvConfig(2, 2048, 4, 1)
     assert default_config(1, 264, 2048) == GemvConfig(2, 2048, 4, 1)
     assert default_config(4, 12352, 2048) == GemvConfig(1, 2048, 4, 1)
     assert default_config(1, 3, 40) == GemvConfig(1, 64, 1, 1)  # tiny shapes still launch
