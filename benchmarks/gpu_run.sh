@@ -58,6 +58,12 @@
 #   num_warps,num_stages, or both GEMMs joined by +, set by bench_moe.py --set-entry), logs in
 #   $OUT/w3-slot-<trial>, the table restored after each; run w3 in the same call for the
 #   shipped entry;
+#   w3-gemv-tiles: W3 (with its profile) once per trial of one-row GEMV configs in
+#   $GEMV_TILES (default "out_proj=4,2048,4,1 out_proj=4,4096,8,1": the rule before
+#   a4ba911 and whole K on 8 warps; a trial is SHAPE=BLOCK_N,BLOCK_K,num_warps,num_stages, or
+#   several joined by +, written to this GPU's table by bench_linear.py --set-config and
+#   taken unless QLLM_GEMV_SWEPT=0), logs in $OUT/w3-gemv-<trial>, the table restored after
+#   each; run w3 in the same call for the rule's configs;
 #   w3-cublas: W3 with the projections on cuBLAS (the linear op pinned to torch), the GEMV's
 #   baseline; w3-autotune: the same with Inductor's GEMM autotuning in the decode layers;
 #   w1-sampling-torch: W1 with its draws on the plain-torch sample_tokens (the kernel's baseline);
@@ -342,6 +348,19 @@ for stage in "$@"; do
                                ${tile//+/ } > "$out/entry.json" || break
                            w3_profiled w3 "$out"
                            cp /tmp/moe-table-kept.json "$table"
+                       done
+                       out=$stage_out ;;
+        w3-gemv-tiles) table=plugins/kernels_linear/qllm_kernels_linear/swept_gemv.json
+                       kept=/tmp/gemv-table-kept.json
+                       rm -f "$kept"; [[ -f $table ]] && cp "$table" "$kept"
+                       stage_out=$out
+                       for tile in ${GEMV_TILES:-out_proj=4,2048,4,1 out_proj=4,4096,8,1}; do
+                           out=$stage_out/w3-gemv-${tile//[=,+]/-}
+                           mkdir -p "$out"
+                           python3 plugins/kernels_linear/benchmarks/bench_linear.py \
+                               --set-config 1 ${tile//+/ } > "$out/table.json" || break
+                           w3_profiled w3 "$out"
+                           rm -f "$table"; [[ -f $kept ]] && cp "$kept" "$table"
                        done
                        out=$stage_out ;;
         w3-cublas) run w3_cublas 200 python3 benchmarks/throughput.py --workload w3 \

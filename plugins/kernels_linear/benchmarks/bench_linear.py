@@ -21,11 +21,18 @@ the rule; with ``--write-table`` it also writes each fastest config to the table
 takes on this GPU model (``qllm_kernels_linear.swept``). About 190 kernel variants compile on
 the first shapes; ``--rows`` / ``--shapes`` split a sweep over several runs.
 
+``--set-config ROWS SHAPE=BLOCK_N,BLOCK_K,num_warps,num_stages ...`` writes configs into that
+table by hand, without timing them (``us`` null): the end-to-end trial of a config the sweep
+did not pick. A config fastest alone may lose inside a decode step, where what a GEMV's
+programs read before their PDL wait counts (``configs``); ``gpu_run.sh w3-gemv-tiles`` runs
+W3 once per trial.
+
     python plugins/kernels_linear/benchmarks/bench_linear.py \
         [--rows 1 2 4] [--shapes out_proj moe_input ...]
     python plugins/kernels_linear/benchmarks/bench_linear.py --rows 200 --inductor
     python plugins/kernels_linear/benchmarks/bench_linear.py --sweep [--rows 1] \
         [--shapes out_proj] [--write-table]
+    python plugins/kernels_linear/benchmarks/bench_linear.py --set-config 1 out_proj=2,4096,4,1
 """
 
 from __future__ import annotations
@@ -119,6 +126,24 @@ def sweep(name: str, rows: int) -> dict:
                 tried=len(timed), failed=failed)
 
 
+def set_configs(rows: int, trials: list[str]) -> None:
+    """Write each ``SHAPE=BLOCK_N,BLOCK_K,num_warps,num_stages`` of ``trials`` as this GPU's
+    config for ``rows`` rows of that shape, untimed, and print what the table then holds."""
+    device_name = torch.cuda.get_device_name()
+    for trial in trials:
+        name, _, fields = trial.partition("=")
+        if name not in QWEN3_5_35B_A3B_SHAPES or len(fields.split(",")) != 4:
+            raise ValueError(f"--set-config takes SHAPE=BLOCK_N,BLOCK_K,num_warps,num_stages "
+                             f"with SHAPE one of {list(QWEN3_5_35B_A3B_SHAPES)}, got {trial!r}")
+        n, k = QWEN3_5_35B_A3B_SHAPES[name]
+        config = GemvConfig(*map(int, fields.split(",")))
+        if config not in candidates(rows, n, k):
+            raise ValueError(f"{config} is not among the GEMV's candidates for {rows} x {name}")
+        swept.record(device_name, rows, n, k, config, us=None, rule_us=None)
+    print(json.dumps({key: dataclasses.asdict(config)
+                      for key, config in swept.load(device_name).items()}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4])
@@ -130,7 +155,16 @@ def main() -> None:
                              "table for this GPU (qllm_kernels_linear.swept)")
     parser.add_argument("--inductor", action="store_true",
                         help="also time torch.compile's max-autotune GEMM")
+    parser.add_argument("--set-config", nargs="+", metavar="ROWS SHAPE=CONFIG",
+                        help="write configs into the table by hand, e.g. 1 out_proj=2,4096,4,1 "
+                             "(BLOCK_N,BLOCK_K,num_warps,num_stages)")
     args = parser.parse_args()
+    if args.set_config:
+        if len(args.set_config) < 2 or not args.set_config[0].isdigit():
+            parser.error("--set-config takes ROWS, then SHAPE=BLOCK_N,BLOCK_K,num_warps,"
+                         "num_stages ...")
+        set_configs(int(args.set_config[0]), args.set_config[1:])
+        return
     if args.sweep and max(args.rows) > MAX_GEMV_ROWS:
         parser.error(f"--sweep times the GEMV, which serves up to {MAX_GEMV_ROWS} rows")
     if args.write_table and not args.sweep:

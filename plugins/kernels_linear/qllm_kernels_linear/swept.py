@@ -25,9 +25,10 @@ SWITCH_ENV = "QLLM_GEMV_SWEPT"
 SWEPT = env_switch(SWITCH_ENV)
 CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(GemvConfig))
 NOTE = ("The GEMV sweep's fastest config per GPU and (rows, N, K), alone in a CUDA graph with "
-        "the L2 flushed; us: its time, rule_us: the rule's (null: the rule was not among the "
-        "candidates). Written by plugins/kernels_linear/benchmarks/bench_linear.py --sweep "
-        "--write-table; read by qllm_kernels_linear.swept.")
+        "the L2 flushed; us: its time (null: set by hand for an end-to-end trial, "
+        "--set-config), rule_us: the rule's (null: not timed or not among the candidates). "
+        "Written by plugins/kernels_linear/benchmarks/bench_linear.py --sweep --write-table; "
+        "read by qllm_kernels_linear.swept.")
 
 
 def shape_key(m: int, n: int, k: int) -> str:
@@ -53,10 +54,11 @@ def swept_config(m: int, n: int, k: int, device_name: str | None) -> GemvConfig 
     return load(device_name).get(shape_key(m, n, k))
 
 
-def record(device_name: str, m: int, n: int, k: int, config: GemvConfig, us: float,
+def record(device_name: str, m: int, n: int, k: int, config: GemvConfig, us: float | None,
            rule_us: float | None) -> None:
-    """Write ``config`` (``us`` per call; the rule's ``rule_us``) as the sweep's fastest for
-    ``m`` rows through ``weight [n, k]`` on GPU ``device_name``, keeping every other entry."""
+    """Write ``config`` (``us`` per call, None where it was set by hand untimed; the rule's
+    ``rule_us``) as the config for ``m`` rows through ``weight [n, k]`` on GPU
+    ``device_name``, keeping every other entry."""
     document = (json.loads(TABLE_PATH.read_text()) if TABLE_PATH.is_file()
                 else {"note": NOTE, "devices": {}})
     entries = document["devices"].setdefault(device_name, {})
