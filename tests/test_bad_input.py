@@ -185,6 +185,24 @@ def test_bad_sampling_values(options, message):
         SamplingParams(**options)
 
 
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_log_probs_past_the_vocabulary(llm, baseline, field):
+    """As many log-probs as the vocabulary holds are served; more are refused before anything
+    runs (logprobs failed the step's unpacking, and the step after it in the next call too;
+    prompt_logprobs failed the step), the requests before the bad one queued by no one."""
+    vocab = llm.engine.vocab_size
+    whole = llm.generate(random_prompts([3]), SamplingParams(max_tokens=1, **{field: vocab}),
+                         use_tqdm=False)[0]
+    listed = whole["logprobs"][0] if field == "logprobs" else whole["prompt_logprobs"][1]
+    assert len(listed) == vocab
+    with pytest.raises(ValueError, match=f"{field} must be at most the vocabulary size "
+                                         f"\\({vocab}\\), got {vocab + 1}"):
+        llm.generate(random_prompts([5, 6]), [GREEDY, SamplingParams(**{field: vocab + 1})],
+                     use_tqdm=False)
+    assert not llm.engine.sequences
+    still_works(llm, baseline)
+
+
 def test_top_k_past_the_vocabulary_keeps_every_token(llm, baseline):
     """Any ``top_k`` of at least the vocabulary size samples like no top-k at all, even one
     past 64 bits (it reached the sampler's int64 tensor as is, and failed the step)."""

@@ -56,18 +56,20 @@ class LLM:
         likewise per prompt token, the first None; each None unless asked for. Every prompt
         is validated before any runs: prompts or sampling params of the wrong kind raise
         ``TypeError``, a prompt that cannot be served (not text or token ids, empty, too
-        long) ``ValueError``.
+        long) or log-probs asked beyond the vocabulary ``ValueError``.
         """
         prompts = _prompt_list(prompts)
         sampling_params = _params_list(sampling_params, len(prompts))
         processed = [self.engine.process_prompt(*_prompt_media(p)) for p in prompts]
-        groups = [[self.engine.add_request(prompt, choice) for choice in _choices(params)]
-                  for prompt, params in zip(processed, sampling_params)]
-        seqs = [seq for group in groups for seq in group]
+        groups: list[list[Sequence]] = []
         try:
-            self._run(seqs, use_tqdm)
-        finally:
-            for seq in seqs:  # an interrupted call leaves nothing behind
+            for prompt, params in zip(processed, sampling_params):
+                groups.append([])
+                for choice in _choices(params):
+                    groups[-1].append(self.engine.add_request(prompt, choice))
+            self._run([seq for group in groups for seq in group], use_tqdm)
+        finally:  # a call interrupted or refused leaves nothing behind
+            for seq in (seq for group in groups for seq in group):
                 self.engine.abort(seq.request_id)
         return [_result(group) for group in groups]
 

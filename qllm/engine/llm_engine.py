@@ -246,6 +246,11 @@ class LLMEngine:
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, "
                             f"got {type(sampling_params).__name__}")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(sampling_params, name)
+            if asked is not None and asked > self.vocab_size:
+                raise ValueError(f"{name} must be at most the vocabulary size "
+                                 f"({self.vocab_size}), got {asked}")
         if isinstance(prompt, ProcessedPrompt):
             token_ids, multimodal = prompt
         elif multimodal is None:
