@@ -15,9 +15,9 @@ end. The rule's reasoning, refined by the sweep at one row on the H200 (2026-11-
   barrier, in every loop step). The sweep's candidates keep ``BLOCK_K`` a multiple of
   ``256 * num_warps``;
 - ... or, at one row, up to four spans, where ``BLOCK_K`` then covers all of K and one weight
-  row's tile fits the accumulator bound: a decode step's GEMV reads its first tile before its PDL wait
-  (``triton_gemv``), and whole-K tiles (no loop, half the registers) let its resident
-  programs hold more of the weight when the wait ends. At one row of ``[2048, 4096]`` (the
+  row's tile fits the accumulator bound: a decode step's GEMV reads its first tile before its
+  PDL wait (``triton_gemv``), and whole-K tiles (no loop, half the registers) let its
+  resident programs hold more of the weight when the wait ends. At one row of ``[2048, 4096]`` (the
   GDN ``out_proj`` and attention ``o_proj`` of Qwen3.5-35B-A3B) 2 x 4,096 tiles, 67 registers,
   hold 15 of its 16.8 MB against 8.4 with 4 x 2,048 (123 registers): W3 ran 388.7, 388.3 and
   388.4 tok/s against 384.6 to 385.7 in five runs of the two-span rule (H100, one machine,
@@ -36,8 +36,9 @@ end. The rule's reasoning, refined by the sweep at one row on the H200 (2026-11-
   0.1 to 0.8 us (2026-11-30).
 
 Measured (``bench_linear.py --sweep --rows 1``, L2 flushed, us, rule before -> this rule's
-config): ``[2048, 4096]`` 12.64 -> 10.91 (two spans; whole K, above, wins inside W3), ``[264, 2048]`` 6.88 -> about 6.4, ``[12352,
-2048]`` 21.95 -> 18.50, ``[9216, 2048]`` 18.11 -> 15.62; cuBLAS 13.95, 9.15, 22.82, 18.46.
+config): ``[2048, 4096]`` 12.64 -> 10.91 (two spans; whole K, above, wins inside W3),
+``[264, 2048]`` 6.88 -> about 6.4, ``[12352, 2048]`` 21.95 -> 18.50, ``[9216, 2048]`` 18.11 ->
+15.62; cuBLAS 13.95, 9.15, 22.82, 18.46.
 
 The vector of 8 elements assumes fp16 / bf16 (the dtypes the plugin serves); fp32 (the
 interpreter tests) is served correctly, 8 elements being two 16-byte loads.
