@@ -37,9 +37,9 @@ def packed_width(k: int) -> int:
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
     """``logits [M, V]`` (raw, any float dtype) and the tokens they scored ``[M]`` ->
     packed ``[M, 3 + 2k]`` int64 (see the module docstring): each token's log-prob and rank
-    and the ``k`` most likely tokens with theirs. No host sync."""
+    and the ``k <= V`` most likely tokens with theirs (the engine refuses more: the packed
+    width must be the ``k`` that ``unpack`` reads). No host sync."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)                   # [M, V]
-    k = min(k, logprobs.shape[-1])
     chosen = logprobs.gather(-1, tokens[:, None])                           # [M, 1]
     rank = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1                # [M, 1]
     top_logprobs, top_ids = logprobs.topk(k, dim=-1)                        # [M, k]
