@@ -132,11 +132,13 @@ def set_configs(rows: int, trials: list[str]) -> None:
     device_name = torch.cuda.get_device_name()
     for trial in trials:
         name, _, fields = trial.partition("=")
-        if name not in QWEN3_5_35B_A3B_SHAPES or len(fields.split(",")) != 4:
+        fields = fields.split(",")
+        if (name not in QWEN3_5_35B_A3B_SHAPES or len(fields) != 4
+                or not all(field.isdigit() for field in fields)):
             raise ValueError(f"--set-config takes SHAPE=BLOCK_N,BLOCK_K,num_warps,num_stages "
                              f"with SHAPE one of {list(QWEN3_5_35B_A3B_SHAPES)}, got {trial!r}")
         n, k = QWEN3_5_35B_A3B_SHAPES[name]
-        config = GemvConfig(*map(int, fields.split(",")))
+        config = GemvConfig(*map(int, fields))
         if config not in candidates(rows, n, k):
             raise ValueError(f"{config} is not among the GEMV's candidates for {rows} x {name}")
         swept.record(device_name, rows, n, k, config, us=None, rule_us=None)

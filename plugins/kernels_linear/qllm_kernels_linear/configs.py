@@ -17,13 +17,13 @@ end. The rule's reasoning, refined by the sweep at one row on the H200 (2026-11-
 - ... or, at one row, up to four spans, where ``BLOCK_K`` then covers all of K and one weight
   row's tile fits the accumulator bound: a decode step's GEMV reads its first tile before its
   PDL wait (``triton_gemv``), and whole-K tiles (no loop, half the registers) let its
-  resident programs hold more of the weight when the wait ends. At one row of ``[2048, 4096]`` (the
-  GDN ``out_proj`` and attention ``o_proj`` of Qwen3.5-35B-A3B) 2 x 4,096 tiles, 67 registers,
-  hold 15 of its 16.8 MB against 8.4 with 4 x 2,048 (123 registers): W3 ran 388.7, 388.3 and
-  388.4 tok/s against 384.6 to 385.7 in five runs of the two-span rule (H100, one machine,
-  2026-12-07; 4 x 4,096 tiles on 4 or 8 warps, holding all of it: 384.5, the recurrence
-  before the projection slowed by as much). Timed alone with the L2 flushed (the sweep
-  below), the two-span tile is the faster one;
+  resident programs hold more of the weight when the wait ends. At one row of ``[2048,
+  4096]`` (the GDN ``out_proj`` and attention ``o_proj`` of Qwen3.5-35B-A3B) 2 x 4,096 tiles,
+  67 registers, hold 15 of its 16.8 MB against 8.4 with 4 x 2,048 (123 registers): W3 ran
+  388.7, 388.3 and 388.4 tok/s against 384.6 to 385.7 in five runs of the two-span rule
+  (H100, one machine, 2026-12-07; 4 x 4,096 tiles on 4 or 8 warps, holding all of it: 384.5,
+  the recurrence before the projection slowed by as much). Timed alone with the L2 flushed
+  (the sweep below), the two-span tile is the faster one;
 - enough programs to fill the GPU (``MIN_PROGRAMS``): small ``N`` (the MoE router's 264 rows)
   takes fewer rows per program instead of a split-K, which would need a second launch or
   atomics to combine partial sums;

@@ -27,12 +27,12 @@ the kernel takes half the registers (64 instead of 123 at the GDN ``in_proj``'s 
 tile), and twice the programs are resident, their first tiles read, when the wait ends. At one row
 ``BLOCK_K`` covers all of ``K = 2048`` (the GDN ``in_proj``, ``qkv_proj``, the MoE
 ``input_proj``) and of ``K = 4096`` (``out_proj`` / ``o_proj``, two weight rows a program:
-``configs``). The wait sits on the one path
-every thread runs (no branch before it), as PDL requires of every PDL-launched kernel: the next
-one relies on it. Without ``USE_PDL`` the constexpr prunes all of it and the kernel compiles to
-the same code as before the switch existed. On an H200, in a CUDA graph of 80 GEMVs each fed by
-the one before, PDL saved 0.6 us per kernel boundary; between kernels launched without it, it
-cost 1.5% (``benchmarks/bench_pdl.py``, ``benchmarks/RESULTS.md``).
+``configs``). The wait sits on the one path every thread runs (no branch before it), as PDL
+requires of every PDL-launched kernel: the next one relies on it. Without ``USE_PDL`` the
+constexpr prunes all of it and the kernel compiles to the same code as before the switch
+existed. On an H200, in a CUDA graph of 80 GEMVs each fed by the one before, PDL saved 0.6 us
+per kernel boundary; between kernels launched without it, it cost 1.5%
+(``benchmarks/bench_pdl.py``, ``benchmarks/RESULTS.md``).
 
 The contract PDL adds: the weight must not be written by work still in flight on the stream
 (model parameters loaded before decoding qualify; a test that creates a weight on the GPU and
