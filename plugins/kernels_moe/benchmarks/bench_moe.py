@@ -25,9 +25,9 @@ and where) is kept and not swept (delete the field to sweep it). The full sweep 
 better part of an hour; ``--grid quick`` tries fewer tiles; ``--grid decode`` the tiles of
 weight-streaming decode batches.
 
-``--set-entry TOKENS GEMM=BLOCK_N,BLOCK_K,num_warps,num_stages ...`` writes tiles into one
-entry by hand (an end-to-end trial of a tile the standalone sweep did not pick; the entry
-becomes untuned), printing the entry it replaced.
+``--set-entry TOKENS GEMM=BLOCK_N,BLOCK_K,num_warps,num_stages[,programs_per_sm] ...`` writes
+tiles into one entry by hand (an end-to-end trial of a tile the standalone sweep did not pick;
+the entry becomes untuned), printing the entry it replaced.
 
     python plugins/kernels_moe/benchmarks/bench_moe.py [--impl triton torch]
     python plugins/kernels_moe/benchmarks/bench_moe.py \
@@ -251,15 +251,20 @@ def read_table(path: Path) -> tuple[dict, dict[int, dict]]:
     return document, {int(key): value for key, value in document.pop("configs").items()}
 
 
+TILE_FIELDS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "programs_per_sm")
+
+
 def parse_tile(spec: str) -> tuple[str, dict]:
-    """``GEMM=BLOCK_N,BLOCK_K,num_warps,num_stages`` (GEMM ``up`` or ``down``) -> ``(GEMM,
-    those four fields)``."""
+    """``GEMM=BLOCK_N,BLOCK_K,num_warps,num_stages[,programs_per_sm]`` (GEMM ``up`` or
+    ``down``) -> ``(GEMM, those fields)``."""
     gemm, _, values = spec.partition("=")
     fields = values.split(",")
-    if gemm not in ("up", "down") or len(fields) != 4 or not all(f.isdigit() for f in fields):
+    if (gemm not in ("up", "down") or len(fields) not in (4, 5)
+            or not all(f.isdigit() for f in fields)):
         raise ValueError(f"tile {spec!r}: expected up=... or down=... with BLOCK_N,BLOCK_K,"
-                         f"num_warps,num_stages, e.g. up=2,2048,4,1")
-    return gemm, dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), map(int, fields)))
+                         f"num_warps,num_stages and optionally programs_per_sm, e.g. "
+                         f"up=2,2048,4,1 or up=1,2048,4,1,4")
+    return gemm, dict(zip(TILE_FIELDS, map(int, fields)))
 
 
 def set_entry(tokens: int, tiles: list[str], path: Path) -> dict:

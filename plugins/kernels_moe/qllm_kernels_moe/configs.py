@@ -21,13 +21,16 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 @dataclass(frozen=True)
 class GemmConfig:
     """Tiles of one grouped GEMM; ``BLOCK_N`` counts output columns (for the gated GEMM,
-    intermediate columns: the program reads ``2 * BLOCK_N`` weight rows, gate and up)."""
+    intermediate columns: the program reads ``2 * BLOCK_N`` weight rows, gate and up).
+    ``programs_per_sm`` (the small-batch path's gate-up only): at most that many programs per
+    multiprocessor, each computing every so many tiles; 0, one program per tile."""
 
     BLOCK_N: int
     BLOCK_K: int
     GROUP_M: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    programs_per_sm: int = 0
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qllm.plugins.devices import multiprocessors
 from qllm.plugins.pdl import pdl_arguments, pdl_release, pdl_wait
 from qllm_kernels_moe.configs import GemmConfig
 
@@ -51,37 +52,52 @@ def _expert_rows(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert, offs
 
 
 @triton.jit
-def _first_weight_tiles(w_ptr, shared_w_ptr, ids_ptr, num_experts, N, K, stride_w_expert,
-                        stride_w_row, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-                        IDS_BEFORE_WAIT: tl.constexpr, USE_PDL: tl.constexpr):
-    """This program's slot and ``BLOCK_N`` weight rows of the slot's expert (the shared
-    expert's for id ``num_experts``), their first ``BLOCK_K`` columns loaded, around the PDL
-    wait (module docstring). With ``IDS_BEFORE_WAIT`` (the down: the kernel before it let it
-    launch only once the router had completed) the ids and the tiles are read before the wait,
-    the ids past the L1 cache. Without (the gate-up, right after the router): a token's last
-    slot reads the shared weights' tile before the wait, kept where its id confirms the guess,
-    every other tile after it, and the next kernel may launch only after the wait. Returns
-    ``(slot, rows [BN], row_mask [BN], ks [BK], w_ptrs [BN, BK] at the first tile, tile
-    [BN, BK], up_tile [BN, BK])``; with ``GATED`` the tiles are the gate rows and the up rows
-    ``N`` further down, else ``up_tile`` is ``tile``."""
-    slot = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+def _weight_tiles(w_ptr, shared_w_ptr, expert, first_row, num_experts, N, K, stride_w_expert,
+                  stride_w_row, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GATED: tl.constexpr):
+    """Rows ``first_row ...`` (``BLOCK_N``) of expert ``expert``'s weights (the shared
+    expert's for id ``num_experts``), their first ``BLOCK_K`` columns loaded -> ``(rows [BN],
+    row_mask [BN], w_ptrs [BN, BK] at the first tile, tile [BN, BK], up_tile [BN, BK])``; with
+    ``GATED`` the tiles are the gate rows and the up rows ``N`` further down, else ``up_tile``
+    is ``tile``."""
+    rows = first_row + tl.arange(0, BLOCK_N)  # [BN]
     row_mask = rows < N
     ks = tl.arange(0, BLOCK_K)
     first = row_mask[:, None] & (ks < K)[None, :]  # [BN, BK]
-    offsets = rows[:, None] * stride_w_row + ks[None, :]  # [BN, BK]
+    w_ptrs = _expert_rows(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert,
+                          rows[:, None] * stride_w_row + ks[None, :])
+    tile = tl.load(w_ptrs, mask=first, other=0.0)
+    up_tile = tile
+    if GATED:
+        up_tile = tl.load(w_ptrs + N * stride_w_row, mask=first, other=0.0)
+    return rows, row_mask, w_ptrs, tile, up_tile
+
+
+@triton.jit
+def _first_weight_tiles(w_ptr, shared_w_ptr, ids_ptr, slot, first_row, num_experts, N, K,
+                        stride_w_expert, stride_w_row, TOP_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+                        IDS_BEFORE_WAIT: tl.constexpr, USE_PDL: tl.constexpr):
+    """A program's first tile, ``_weight_tiles`` of ``slot``'s expert, loaded around the PDL
+    wait (module docstring). With ``IDS_BEFORE_WAIT`` (the down: the kernel before it let it
+    launch only once the router had completed) the id and the tiles are read before the wait,
+    the id past the L1 cache. Without (the gate-up, right after the router): a token's last
+    slot reads the shared weights' tile before the wait, kept where its id confirms the guess,
+    every other tile after it, and the next kernel may launch only after the wait. Returns
+    ``(rows, row_mask, ks [BK], w_ptrs, tile, up_tile)`` as ``_weight_tiles``."""
+    ks = tl.arange(0, BLOCK_K)
     if IDS_BEFORE_WAIT:
         pdl_release(USE_PDL)
         expert = tl.load(ids_ptr + slot, cache_modifier=".cg")
-        w_ptrs = _expert_rows(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert,
-                              offsets)
-        tile = tl.load(w_ptrs, mask=first, other=0.0)
-        up_tile = tile
-        if GATED:
-            up_tile = tl.load(w_ptrs + N * stride_w_row, mask=first, other=0.0)
+        rows, row_mask, w_ptrs, tile, up_tile = _weight_tiles(
+            w_ptr, shared_w_ptr, expert, first_row, num_experts, N, K, stride_w_expert,
+            stride_w_row, BLOCK_N, BLOCK_K, GATED)
         pdl_wait(USE_PDL)
     else:
+        rows = first_row + tl.arange(0, BLOCK_N)  # [BN]
+        row_mask = rows < N
+        first = row_mask[:, None] & (ks < K)[None, :]  # [BN, BK]
+        offsets = rows[:, None] * stride_w_row + ks[None, :]  # [BN, BK]
         guess = slot % TOP_K == TOP_K - 1
         early = tl.load(shared_w_ptr + offsets, mask=first & guess, other=0.0)
         if GATED:
@@ -97,21 +113,25 @@ def _first_weight_tiles(w_ptr, shared_w_ptr, ids_ptr, num_experts, N, K, stride_
         up_tile = tile
         if GATED:
             up_tile = tl.load(w_ptrs + N * stride_w_row, mask=late, other=early_up)
-    return slot, rows, row_mask, ks, w_ptrs, tile, up_tile
+    return rows, row_mask, ks, w_ptrs, tile, up_tile
 
 
 @triton.jit
-def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
-                         num_experts, N, K, stride_x_row, stride_w_expert, stride_w_row,
-                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         WHOLE_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` for slot ``s`` of token
-    ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``). ``WHOLE_K``:
-    ``BLOCK_K >= K``, the first tiles are the whole rows."""
-    slot, rows, row_mask, ks, gate_ptrs, gate_w, up_w = _first_weight_tiles(
-        w_ptr, shared_w_ptr, ids_ptr, num_experts, N, K, stride_w_expert, stride_w_row, TOP_K,
-        BLOCK_N, BLOCK_K, GATED=True, IDS_BEFORE_WAIT=False,
-        USE_PDL=USE_PDL)  # gate_ptrs, gate_w, up_w: [BN, BK]; x: the norm's
+def _gate_up_tile(tile, tokens, num_blocks, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tile ``tile`` of the gate-up -> ``(slot, first row)``. The tiles of every token's last
+    slot (the shared expert's, guessed before the wait) come first, then the slots before it."""
+    order, block = tile // num_blocks, tile % num_blocks
+    slot = (order % tokens) * TOP_K + TOP_K - 1 - order // tokens
+    return slot, block * BLOCK_N
+
+
+@triton.jit
+def _gate_up_rows(x_ptr, hidden_ptr, slot, rows, row_mask, ks, gate_ptrs, gate_w, up_w, N, K,
+                  stride_x_row, stride_w_row, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                  WHOLE_K: tl.constexpr):
+    """``hidden[slot, rows] = silu(x[t] . gate rows) * (x[t] . up rows)`` for the slot's token
+    ``t``, from the rows' first ``BLOCK_K`` columns already loaded (``gate_w``, ``up_w``
+    ``[BN, BK]``, ``gate_ptrs`` at them) and the rest read here."""
     x_ptrs = x_ptr + (slot // TOP_K) * stride_x_row + ks  # [BK]
     up_ptrs = gate_ptrs + N * stride_w_row
     x = tl.load(x_ptrs, mask=ks < K, other=0.0).to(tl.float32)[None, :]  # [1, BK]
@@ -137,6 +157,36 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr,
 
 
 @triton.jit
+def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr, num_experts, tokens,
+                         N, K, stride_x_row, stride_w_expert, stride_w_row,
+                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         WHOLE_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` for slot ``s`` of token
+    ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``). Program ``p``
+    of ``G`` computes tiles ``p, p + G, ...`` (``_gate_up_tile``), each tile's weights read
+    while the tile before it is reduced. ``WHOLE_K``: ``BLOCK_K >= K``, the first tiles are
+    the whole rows."""
+    num_blocks = tl.cdiv(N, BLOCK_N)
+    num_tiles = tokens * TOP_K * num_blocks
+    slot, first_row = _gate_up_tile(tl.program_id(0), tokens, num_blocks, TOP_K, BLOCK_N)
+    rows, row_mask, ks, gate_ptrs, gate_w, up_w = _first_weight_tiles(
+        w_ptr, shared_w_ptr, ids_ptr, slot, first_row, num_experts, N, K, stride_w_expert,
+        stride_w_row, TOP_K, BLOCK_N, BLOCK_K, GATED=True, IDS_BEFORE_WAIT=False,
+        USE_PDL=USE_PDL)  # gate_ptrs, gate_w, up_w: [BN, BK]; x: the norm's
+    for tile in range(tl.program_id(0) + tl.num_programs(0), num_tiles, tl.num_programs(0)):
+        next_slot, next_row = _gate_up_tile(tile, tokens, num_blocks, TOP_K, BLOCK_N)
+        next_rows, next_mask, next_ptrs, next_gate_w, next_up_w = _weight_tiles(
+            w_ptr, shared_w_ptr, tl.load(ids_ptr + next_slot), next_row,
+            num_experts, N, K, stride_w_expert, stride_w_row, BLOCK_N, BLOCK_K, GATED=True)
+        _gate_up_rows(x_ptr, hidden_ptr, slot, rows, row_mask, ks, gate_ptrs, gate_w, up_w, N,
+                      K, stride_x_row, stride_w_row, TOP_K, BLOCK_K, WHOLE_K)
+        slot, rows, row_mask, gate_ptrs, gate_w, up_w = (next_slot, next_rows, next_mask,
+                                                          next_ptrs, next_gate_w, next_up_w)
+    _gate_up_rows(x_ptr, hidden_ptr, slot, rows, row_mask, ks, gate_ptrs, gate_w, up_w, N, K,
+                  stride_x_row, stride_w_row, TOP_K, BLOCK_K, WHOLE_K)
+
+
+@triton.jit
 def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weights_ptr, out_ptr,
                       num_experts, N, K, stride_w_expert, stride_w_row,
                       TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -144,10 +194,11 @@ def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weights_
     """``out[s, n] = round(routing_weights[s] * (hidden[s] . w[e, n]))`` for slot ``s`` routed
     to expert ``e`` (``num_experts``: ``shared_w``); ``round`` to ``out``'s dtype. ``WHOLE_K``:
     ``BLOCK_K >= K``, the first tile is the whole row."""
-    slot, rows, row_mask, ks, w_ptrs, w, _ = _first_weight_tiles(
-        w_ptr, shared_w_ptr, ids_ptr, num_experts, N, K, stride_w_expert, stride_w_row, TOP_K,
-        BLOCK_N, BLOCK_K, GATED=False, IDS_BEFORE_WAIT=True,
-        USE_PDL=USE_PDL)  # w_ptrs, w: [BN, BK]; hidden: the gate-up's
+    slot = tl.program_id(0)
+    rows, row_mask, ks, w_ptrs, w, _ = _first_weight_tiles(
+        w_ptr, shared_w_ptr, ids_ptr, slot, tl.program_id(1) * BLOCK_N, num_experts, N, K,
+        stride_w_expert, stride_w_row, TOP_K, BLOCK_N, BLOCK_K, GATED=False,
+        IDS_BEFORE_WAIT=True, USE_PDL=USE_PDL)  # w_ptrs, w: [BN, BK]; hidden: the gate-up's
     h_ptrs = hidden_ptr + slot * K + ks  # [BK]
     h = tl.load(h_ptrs, mask=ks < K, other=0.0).to(tl.float32)[None, :]  # [1, BK]
     if WHOLE_K:  # reduced at once: no [BN, BK] fp32 accumulator (half the registers), so
@@ -175,9 +226,11 @@ def slot_gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor,
     tokens, top_k = topk_ids.shape
     inter = w13.shape[1] // 2
     hidden = x.new_empty(tokens * top_k, inter)
-    grid = (tokens * top_k, triton.cdiv(inter, config.BLOCK_N))
-    _slot_gate_up_kernel[grid](
-        x, w13, shared_w13, topk_ids, hidden, w13.shape[0], inter, x.shape[1],
+    tiles = tokens * top_k * triton.cdiv(inter, config.BLOCK_N)
+    if config.programs_per_sm:
+        tiles = min(tiles, config.programs_per_sm * multiprocessors(x.device))
+    _slot_gate_up_kernel[(tiles,)](
+        x, w13, shared_w13, topk_ids, hidden, w13.shape[0], tokens, inter, x.shape[1],
         x.stride(0), w13.stride(0), w13.stride(1), TOP_K=top_k,
         BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, WHOLE_K=config.BLOCK_K >= x.shape[1],
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_arguments(x.device, tokens))

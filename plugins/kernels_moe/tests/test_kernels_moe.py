@@ -67,6 +67,14 @@ TINY_CONFIGS = {
     "m16": MoeConfig(16, GemmConfig(16, 32), GemmConfig(32, 16, 2)),
     "m32": MoeConfig(32, GemmConfig(32, 16, 4), GemmConfig(16, 32)),
 }
+# the slot path's gate-up with programs that each compute several tiles (on the CPU's 4
+# stand-in multiprocessors), at the TINY cases of at most 33 tokens
+LOOPED_CONFIGS = {
+    "m1-looped": MoeConfig(1, GemmConfig(8, 16, programs_per_sm=1), GemmConfig(16, 16, 1, 2)),
+    "m1-whole-k-looped": MoeConfig(1, GemmConfig(8, 64, programs_per_sm=3),
+                                   GemmConfig(16, 32, 1, 2)),
+}
+LOOPED_CASES = {name: case for name, case in TINY.items() if case[0] <= 33}
 
 
 def _reference(inputs: MoeInputs) -> torch.Tensor:
@@ -430,8 +438,23 @@ def test_interpreted_slot_path_bf16(case):
 
 
 @interpreted
-@pytest.mark.parametrize("case", TINY.values(), ids=TINY.keys())
-def test_interpreted_slot_path_shared_expert_not_last(case):
+@pytest.mark.parametrize("config", LOOPED_CONFIGS.values(), ids=LOOPED_CONFIGS.keys())
+@pytest.mark.parametrize("case", LOOPED_CASES.values(), ids=LOOPED_CASES.keys())
+def test_interpreted_slot_path_looped(case, config):
+    """The gate-up's programs computing every so many tiles (``programs_per_sm``), the tile
+    after the first read while the one before is reduced; with the shared expert in each
+    token's last slot and, in the next test, its first."""
+    tokens, experts, top_k, hidden, inter, skew = case
+    check_parity(moe_inputs(tokens, experts, hidden, inter, top_k, torch.float32, skew=skew),
+                 config)
+
+
+@interpreted
+@pytest.mark.parametrize("case,config", [
+    *[pytest.param(case, "m1", id=f"{name}-m1") for name, case in TINY.items()],
+    *[pytest.param(case, "m1-looped", id=f"{name}-m1-looped")
+      for name, case in LOOPED_CASES.items()]])
+def test_interpreted_slot_path_shared_expert_not_last(case, config):
     """Each token's shared expert in its first slot, a routed one in its last: the slot
     kernels' guess (the last slot is the shared expert's) is wrong everywhere, and the result
     is still the reference's."""
@@ -440,7 +463,7 @@ def test_interpreted_slot_path_shared_expert_not_last(case):
     order = [top_k, *range(top_k)]  # the shared slot first
     inputs = inputs._replace(topk_weights=inputs.topk_weights[:, order].contiguous(),
                              topk_ids=inputs.topk_ids[:, order].contiguous())
-    check_parity(inputs, TINY_CONFIGS["m1"])
+    check_parity(inputs, {**TINY_CONFIGS, **LOOPED_CONFIGS}[config])
 
 
 @interpreted
