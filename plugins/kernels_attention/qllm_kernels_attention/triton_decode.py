@@ -20,13 +20,13 @@ launched with programmatic dependent launch and wait for the previous kernel at 
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
+from qllm.plugins.devices import multiprocessors
 from qllm.plugins.pdl import pdl_arguments, pdl_enter
 from qllm_kernels_attention.paged import attend_tile, checked_query, kv_offsets
 
@@ -131,15 +131,6 @@ def _decode_merge_kernel(
              out.to(out_ptr.dtype.element_ty))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; a small stand-in elsewhere (the Triton
-    interpreter on CPU), so CPU runs still exercise several splits."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _config(head_dim: int) -> dict:
     """Stage-1 tile size (keys per step) and launch options per head dim, tuned on an H200."""
     if head_dim <= 64:
@@ -154,7 +145,7 @@ def choose_num_splits(batch: int, kv_heads: int, max_tokens: int, head_dim: int,
     """Splits per sequence so ``batch * kv_heads * splits`` programs fill the GPU, never more
     than there are tiles in the longest possible sequence (``max_tokens``, the block-table
     width times the page size)."""
-    wanted = triton.cdiv(CTAS_PER_SM * _sm_count(device), batch * kv_heads)
+    wanted = triton.cdiv(CTAS_PER_SM * multiprocessors(device), batch * kv_heads)
     return max(1, min(wanted, triton.cdiv(max_tokens, _config(head_dim)["BLOCK_N"]),
                       MAX_SPLITS))
 

@@ -38,12 +38,11 @@ Launch parameters: ``gemm_configs`` (``swap_ab_config``). The launch depends on 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from qllm.plugins.devices import multiprocessors
 from qllm_kernels_int8.gemm_configs import H200_SMS, W8A16GemmConfig, swap_ab_config
 from qllm_kernels_int8.int8_convert import int8_to_half
 
@@ -113,14 +112,6 @@ def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl
     tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=on)
 
 
-@functools.cache
-def sm_count(device: torch.device) -> int:
-    """Multiprocessors of ``device`` (CUDA), for the rule's split-K; the H200's elsewhere."""
-    if device.type != "cuda":
-        return H200_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def swap_ab_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None, target: torch.Tensor, config: W8A16GemmConfig,
                  fast_int8: bool) -> dict:
@@ -144,7 +135,7 @@ def w8a16_gemm_swap_ab(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     -> ``[M, N]`` in ``x.dtype``. ``config`` overrides ``gemm_configs.swap_ab_config``;
     ``fast_int8`` (default: on CUDA) picks the inline-PTX int8 conversion over Triton's cast."""
     (m, k), n = x.shape, weight.shape[0]
-    config = config or swap_ab_config(m, n, k, sm_count(x.device))
+    config = config or swap_ab_config(m, n, k, multiprocessors(x.device, elsewhere=H200_SMS))
     split = config.SPLIT_K
     out = x.new_empty(m, n)
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32,
