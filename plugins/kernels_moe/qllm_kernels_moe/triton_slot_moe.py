@@ -160,7 +160,8 @@ def _gate_up_rows(x_ptr, hidden_ptr, slot, rows, row_mask, ks, gate_ptrs, gate_w
 def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr, num_experts, tokens,
                          N, K, stride_x_row, stride_w_expert, stride_w_row,
                          TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         WHOLE_K: tl.constexpr, USE_PDL: tl.constexpr):
+                         WHOLE_K: tl.constexpr, LOOPED: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` for slot ``s`` of token
     ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``). Program ``p``
     of ``G`` computes tiles ``p, p + G, ...`` (``_gate_up_tile``), each tile's weights read
@@ -173,15 +174,16 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr, num_ex
         w_ptr, shared_w_ptr, ids_ptr, slot, first_row, num_experts, N, K, stride_w_expert,
         stride_w_row, TOP_K, BLOCK_N, BLOCK_K, GATED=True, IDS_BEFORE_WAIT=False,
         USE_PDL=USE_PDL)  # gate_ptrs, gate_w, up_w: [BN, BK]; x: the norm's
-    for tile in range(tl.program_id(0) + tl.num_programs(0), num_tiles, tl.num_programs(0)):
-        next_slot, next_row = _gate_up_tile(tile, tokens, num_blocks, TOP_K, BLOCK_N)
-        next_rows, next_mask, next_ptrs, next_gate_w, next_up_w = _weight_tiles(
-            w_ptr, shared_w_ptr, tl.load(ids_ptr + next_slot), next_row,
-            num_experts, N, K, stride_w_expert, stride_w_row, BLOCK_N, BLOCK_K, GATED=True)
-        _gate_up_rows(x_ptr, hidden_ptr, slot, rows, row_mask, ks, gate_ptrs, gate_w, up_w, N,
-                      K, stride_x_row, stride_w_row, TOP_K, BLOCK_K, WHOLE_K)
-        slot, rows, row_mask, gate_ptrs, gate_w, up_w = (next_slot, next_rows, next_mask,
-                                                          next_ptrs, next_gate_w, next_up_w)
+    if LOOPED:  # compiled out where each program has one tile (half the registers)
+        for tile in range(tl.program_id(0) + tl.num_programs(0), num_tiles, tl.num_programs(0)):
+            next_slot, next_row = _gate_up_tile(tile, tokens, num_blocks, TOP_K, BLOCK_N)
+            next_rows, next_mask, next_ptrs, next_gate_w, next_up_w = _weight_tiles(
+                w_ptr, shared_w_ptr, tl.load(ids_ptr + next_slot), next_row,
+                num_experts, N, K, stride_w_expert, stride_w_row, BLOCK_N, BLOCK_K, GATED=True)
+            _gate_up_rows(x_ptr, hidden_ptr, slot, rows, row_mask, ks, gate_ptrs, gate_w, up_w, N,
+                          K, stride_x_row, stride_w_row, TOP_K, BLOCK_K, WHOLE_K)
+            slot, rows, row_mask, gate_ptrs, gate_w, up_w = (next_slot, next_rows, next_mask,
+                                                              next_ptrs, next_gate_w, next_up_w)
     _gate_up_rows(x_ptr, hidden_ptr, slot, rows, row_mask, ks, gate_ptrs, gate_w, up_w, N, K,
                   stride_x_row, stride_w_row, TOP_K, BLOCK_K, WHOLE_K)
 
@@ -227,13 +229,15 @@ def slot_gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor,
     inter = w13.shape[1] // 2
     hidden = x.new_empty(tokens * top_k, inter)
     tiles = tokens * top_k * triton.cdiv(inter, config.BLOCK_N)
+    programs = tiles
     if config.programs_per_sm:
-        tiles = min(tiles, config.programs_per_sm * multiprocessors(x.device))
-    _slot_gate_up_kernel[(tiles,)](
+        programs = min(tiles, config.programs_per_sm * multiprocessors(x.device))
+    _slot_gate_up_kernel[(programs,)](
         x, w13, shared_w13, topk_ids, hidden, w13.shape[0], tokens, inter, x.shape[1],
         x.stride(0), w13.stride(0), w13.stride(1), TOP_K=top_k,
         BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, WHOLE_K=config.BLOCK_K >= x.shape[1],
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_arguments(x.device, tokens))
+        LOOPED=programs < tiles, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_arguments(x.device, tokens))
     return hidden
 
 
