@@ -5,9 +5,14 @@ every block to ``BLOCK_M`` rows cost more than they save. Here (a table
 entry with ``BLOCK_M == 1``) with ``x [T, H]``, ``topk_ids [T, k]`` (``S = T * k`` slots, slot
 ``t * k + j``; expert ``E`` is the shared expert's weights):
 
-1. ``gate_up``: one program per (slot, ``BLOCK_N`` intermediate columns) reads its token's row
-   of ``x`` and ``BLOCK_N`` gate and up rows of the slot's expert, long contiguous rows of
-   ``BLOCK_K``, and stores ``silu(gate) * up`` -> ``hidden [S, I]``.
+1. ``gate_up``: one program per tile (slot, ``BLOCK_N`` intermediate columns) reads its token's
+   row of ``x`` and ``BLOCK_N`` gate and up rows of the slot's expert, long contiguous rows of
+   ``BLOCK_K``, and stores ``silu(gate) * up`` -> ``hidden [S, I]``. With the config's
+   ``programs_per_sm``, fewer programs each compute every so many tiles, reading a tile's
+   weights while the one before is reduced (on an H100, W3 at 6 or 8 per SM: 392.2-392.8 tok/s
+   against 389.2 one program a tile, one run each; 2 per SM: 362-366. Not in the table: the
+   down, which this was to let launch while the gate-up streams, still started 4 us before the
+   gate-up's end, as with one program a tile; results.jsonl, 2026-12-07).
 2. ``down``: one program per (slot, ``BLOCK_N`` output columns): ``hidden``'s row through the
    slot's ``w2`` rows, times the routing weight, rounded to ``x.dtype`` -> ``expert_out [S, H]``,
    the per-slot outputs, summed by the residual add after the block. (One program per token
