@@ -122,11 +122,17 @@ def _first_weight_tiles(w_ptr, shared_w_ptr, ids_ptr, slot, first_row, num_exper
 
 
 @triton.jit
-def _gate_up_tile(tile, tokens, num_blocks, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Tile ``tile`` of the gate-up -> ``(slot, first row)``. The tiles of every token's last
-    slot (the shared expert's, guessed before the wait) come first, then the slots before it."""
-    order, block = tile // num_blocks, tile % num_blocks
-    slot = (order % tokens) * TOP_K + TOP_K - 1 - order // tokens
+def _gate_up_tile(tile, tokens, num_blocks, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                  LOOPED: tl.constexpr):
+    """Tile ``tile`` of the gate-up -> ``(slot, first row)``. One tile a program: the slots
+    vary fastest (every program reads its first tile, the shared expert's guessed before the
+    wait). ``LOOPED``: the tiles of every token's last slot (the shared expert's) come first,
+    so that they are the programs' first tiles, then the slots before it."""
+    if LOOPED:
+        order, block = tile // num_blocks, tile % num_blocks
+        slot = (order % tokens) * TOP_K + TOP_K - 1 - order // tokens
+    else:
+        slot, block = tile % (tokens * TOP_K), tile // (tokens * TOP_K)
     return slot, block * BLOCK_N
 
 
@@ -174,14 +180,16 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr, num_ex
     the whole rows."""
     num_blocks = tl.cdiv(N, BLOCK_N)
     num_tiles = tokens * TOP_K * num_blocks
-    slot, first_row = _gate_up_tile(tl.program_id(0), tokens, num_blocks, TOP_K, BLOCK_N)
+    slot, first_row = _gate_up_tile(tl.program_id(0), tokens, num_blocks, TOP_K, BLOCK_N,
+                                    LOOPED)
     rows, row_mask, ks, gate_ptrs, gate_w, up_w = _first_weight_tiles(
         w_ptr, shared_w_ptr, ids_ptr, slot, first_row, num_experts, N, K, stride_w_expert,
         stride_w_row, TOP_K, BLOCK_N, BLOCK_K, GATED=True, IDS_BEFORE_WAIT=False,
         USE_PDL=USE_PDL)  # gate_ptrs, gate_w, up_w: [BN, BK]; x: the norm's
     if LOOPED:  # compiled out where each program has one tile (half the registers)
         for tile in range(tl.program_id(0) + tl.num_programs(0), num_tiles, tl.num_programs(0)):
-            next_slot, next_row = _gate_up_tile(tile, tokens, num_blocks, TOP_K, BLOCK_N)
+            next_slot, next_row = _gate_up_tile(tile, tokens, num_blocks, TOP_K, BLOCK_N,
+                                                LOOPED)
             next_rows, next_mask, next_ptrs, next_gate_w, next_up_w = _weight_tiles(
                 w_ptr, shared_w_ptr, tl.load(ids_ptr + next_slot), next_row,
                 num_experts, N, K, stride_w_expert, stride_w_row, BLOCK_N, BLOCK_K, GATED=True)
