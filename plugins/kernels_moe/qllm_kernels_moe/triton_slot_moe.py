@@ -175,9 +175,9 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr, num_ex
                          USE_PDL: tl.constexpr):
     """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` for slot ``s`` of token
     ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``). Program ``p``
-    of ``G`` computes tiles ``p, p + G, ...`` (``_gate_up_tile``), each tile's weights read
-    while the tile before it is reduced. ``WHOLE_K``: ``BLOCK_K >= K``, the first tiles are
-    the whole rows."""
+    computes tile ``p`` (``_gate_up_tile``); with ``LOOPED`` (fewer programs than tiles, ``G``
+    of them) also tiles ``p + G, p + 2G, ...``, each tile's weights read while the tile before
+    it is reduced. ``WHOLE_K``: ``BLOCK_K >= K``, the first tiles are the whole rows."""
     num_blocks = tl.cdiv(N, BLOCK_N)
     num_tiles = tokens * TOP_K * num_blocks
     slot, first_row = _gate_up_tile(tl.program_id(0), tokens, num_blocks, TOP_K, BLOCK_N,
@@ -237,7 +237,8 @@ def slot_gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor,
                  topk_ids: torch.Tensor, config: GemmConfig) -> torch.Tensor:
     """GEMM 1 per slot: ``x [T, H]`` through each slot's expert of ``w13 [E, 2I, H]`` (expert
     ``E``: ``shared_w13 [2I, H]``), ``topk_ids [T, k]`` contiguous -> ``silu(gate) * up`` as
-    ``hidden [T * k, I]``."""
+    ``hidden [T * k, I]``. One program per tile, or ``config.programs_per_sm`` per
+    multiprocessor where that is fewer."""
     tokens, top_k = topk_ids.shape
     inter = w13.shape[1] // 2
     hidden = x.new_empty(tokens * top_k, inter)
