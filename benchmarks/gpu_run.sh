@@ -168,6 +168,24 @@ w3_profiled() {  # w3_profiled NAME DIR [OPTION...]: W3 (one sequence, the bf16 
         --max-model-len 1024 --recurrent-state-dtype bfloat16 "$@" \
         --profile-decode 1 512 --profile-out "$dir"
 }
+moe_table=plugins/kernels_moe/qllm_kernels_moe/configs/E=256,N=1024,K=2048.json
+gemv_table=plugins/kernels_linear/qllm_kernels_linear/swept_gemv.json
+w3_table_trials() {  # w3_table_trials TABLE NAME FILE "TRIAL ..." SETTER...: per trial, SETTER
+    # with the trial's fields (joined by +) writes them into TABLE (its output in FILE), then W3
+    # and its profile into $out/w3-NAME-<trial>; TABLE is put back as it was (absent: removed)
+    # after each
+    local table=$1 name=$2 file=$3 trials=$4 kept=/tmp/table-kept.json stage_out=$out trial
+    shift 4
+    rm -f "$kept"; [[ -f $table ]] && cp "$table" "$kept"
+    for trial in $trials; do
+        out=$stage_out/w3-$name-${trial//[=,+]/-}
+        mkdir -p "$out"
+        "$@" ${trial//+/ } > "$out/$file" || break
+        w3_profiled w3 "$out"
+        rm -f "$table"; [[ -f $kept ]] && cp "$kept" "$table"
+    done
+    out=$stage_out
+}
 pdl_tests() {  # every plugin's PDL tests (bits in CUDA graphs against PDL off; the SASS
     # checks run in CI, on the CPU), the slot MoE's and the GDN decode's parity
     run pdl_tests 300 python3 -m pytest $PYTEST_GPU \
@@ -342,31 +360,13 @@ for stage in "$@"; do
                       --tokens ${TUNE_TOKENS:-1 256} --block-m ${TUNE_BLOCK_M:-1 16 32 64 128}
                   cp plugins/kernels_moe/qllm_kernels_moe/configs/*.json "$out"/moe_configs.json ;;
         w3) w3_profiled w3 "$out" ;;
-        w3-slot-tiles) table=plugins/kernels_moe/qllm_kernels_moe/configs/E=256,N=1024,K=2048.json
-                       cp "$table" /tmp/moe-table-kept.json
-                       stage_out=$out
-                       for tile in ${SLOT_TILES:-up=2,2048,4,1 up=1,2048,2,1}; do
-                           out=$stage_out/w3-slot-${tile//[=,+]/-}
-                           mkdir -p "$out"
-                           python3 plugins/kernels_moe/benchmarks/bench_moe.py --set-entry 1 \
-                               ${tile//+/ } > "$out/entry.json" || break
-                           w3_profiled w3 "$out"
-                           cp /tmp/moe-table-kept.json "$table"
-                       done
-                       out=$stage_out ;;
-        w3-gemv-tiles) table=plugins/kernels_linear/qllm_kernels_linear/swept_gemv.json
-                       kept=/tmp/gemv-table-kept.json
-                       rm -f "$kept"; [[ -f $table ]] && cp "$table" "$kept"
-                       stage_out=$out
-                       for tile in ${GEMV_TILES:-out_proj=4,2048,4,1 out_proj=4,4096,8,1}; do
-                           out=$stage_out/w3-gemv-${tile//[=,+]/-}
-                           mkdir -p "$out"
+        w3-slot-tiles) w3_table_trials "$moe_table" slot entry.json \
+                           "${SLOT_TILES:-up=2,2048,4,1 up=1,2048,2,1}" \
+                           python3 plugins/kernels_moe/benchmarks/bench_moe.py --set-entry 1 ;;
+        w3-gemv-tiles) w3_table_trials "$gemv_table" gemv table.json \
+                           "${GEMV_TILES:-out_proj=4,2048,4,1 out_proj=4,4096,8,1}" \
                            python3 plugins/kernels_linear/benchmarks/bench_linear.py \
-                               --set-config 1 ${tile//+/ } > "$out/table.json" || break
-                           w3_profiled w3 "$out"
-                           rm -f "$table"; [[ -f $kept ]] && cp "$kept" "$table"
-                       done
-                       out=$stage_out ;;
+                               --set-config 1 ;;
         w3-cublas) run w3_cublas 200 python3 benchmarks/throughput.py --workload w3 \
                        --max-num-seqs 1 --max-model-len 1024 --recurrent-state-dtype bfloat16 \
                        --kernel linear=torch ;;
