@@ -14,3 +14,25 @@ def multiprocessors(device: torch.device, elsewhere: int = 4) -> int:
     if device.type != "cuda":
         return elsewhere
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# Thread blocks one multiprocessor holds at most (compute capability 9.0 and 8.x: 32)
+MAX_BLOCKS_PER_SM = 32
+REGISTER_ALLOCATION_UNIT = 256  # registers are allocated to a warp in units of this many
+
+
+def resident_programs_per_sm(compiled, device: torch.device) -> int:
+    """How many programs of ``compiled`` (a Triton ``CompiledKernel``) one multiprocessor of
+    the CUDA ``device`` holds at once, bounded by its threads, registers and shared memory: a
+    persistent kernel whose programs wait for each other must not launch more."""
+    compiled._init_handles()  # loads the binary: its register count
+    props = torch.cuda.get_device_properties(device)
+    warps = compiled.metadata.num_warps
+    warp_registers = -(-compiled.n_regs * props.warp_size // REGISTER_ALLOCATION_UNIT) \
+        * REGISTER_ALLOCATION_UNIT
+    bounds = [MAX_BLOCKS_PER_SM,
+              props.max_threads_per_multi_processor // (props.warp_size * warps),
+              props.regs_per_multiprocessor // warp_registers // warps]
+    if compiled.metadata.shared:  # each block also holds 1 KiB the driver reserves
+        bounds.append(props.shared_memory_per_multiprocessor // (compiled.metadata.shared + 1024))
+    return min(bounds)

@@ -27,7 +27,8 @@ weight-streaming decode batches.
 
 ``--set-entry TOKENS GEMM=BLOCK_N,BLOCK_K,num_warps,num_stages[,programs_per_sm] ...`` writes
 tiles into one entry by hand (an end-to-end trial of a tile the standalone sweep did not pick;
-the entry becomes untuned), printing the entry it replaced.
+the entry becomes untuned), printing the entry it replaced; ``persistent=PROGRAMS_PER_SM``
+there runs the slot path's GEMMs in one persistent kernel.
 
     python plugins/kernels_moe/benchmarks/bench_moe.py [--impl triton torch]
     python plugins/kernels_moe/benchmarks/bench_moe.py \
@@ -254,16 +255,20 @@ def read_table(path: Path) -> tuple[dict, dict[int, dict]]:
 TILE_FIELDS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "programs_per_sm")
 
 
-def parse_tile(spec: str) -> tuple[str, dict]:
+def parse_tile(spec: str) -> tuple[str, dict | int]:
     """``GEMM=BLOCK_N,BLOCK_K,num_warps,num_stages[,programs_per_sm]`` (GEMM ``up`` or
-    ``down``) -> ``(GEMM, those fields)``."""
+    ``down``) -> ``(GEMM, those fields)``; ``persistent=PROGRAMS_PER_SM`` (the slot path's
+    both GEMMs in one persistent kernel; 0: two kernels) -> ``("persistent_programs_per_sm",
+    that count)``."""
     gemm, _, values = spec.partition("=")
+    if gemm == "persistent" and values.isdigit():
+        return "persistent_programs_per_sm", int(values)
     fields = values.split(",")
     if (gemm not in ("up", "down") or len(fields) not in (4, 5)
             or not all(f.isdigit() for f in fields)):
         raise ValueError(f"tile {spec!r}: expected up=... or down=... with BLOCK_N,BLOCK_K,"
                          f"num_warps,num_stages and optionally programs_per_sm, e.g. "
-                         f"up=2,2048,4,1 or up=1,2048,4,1,4")
+                         f"up=2,2048,4,1 or up=1,2048,4,1,4, or persistent=PROGRAMS_PER_SM")
     return gemm, dict(zip(TILE_FIELDS, map(int, fields)))
 
 
@@ -278,8 +283,8 @@ def set_entry(tokens: int, tiles: list[str], path: Path) -> dict:
     entry = {key: value for key, value in replaced.items()
              if key not in ("tuned_ms", "chosen_end_to_end")}
     entry["tuned_on"] = None
-    for gemm, fields in map(parse_tile, tiles):
-        entry[gemm] = {**entry[gemm], **fields}
+    for field, value in map(parse_tile, tiles):
+        entry[field] = {**entry[field], **value} if isinstance(value, dict) else value
     entries[tokens] = entry
     write_table(path, document, entries)
     return replaced

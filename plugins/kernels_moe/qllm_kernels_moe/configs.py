@@ -38,19 +38,25 @@ class MoeConfig:
     """``BLOCK_M`` (slots per block, shared by the sort and both GEMMs) and each GEMM's tiles.
 
     ``BLOCK_M`` 1 selects the small-batch path (``triton_slot_moe``): one program per slot and
-    no sort; its GEMMs' ``BLOCK_N`` counts weight rows per program (``GROUP_M`` is unused)."""
+    no sort; its GEMMs' ``BLOCK_N`` counts weight rows per program (``GROUP_M`` is unused).
+    There ``persistent_programs_per_sm`` above 0 runs both GEMMs in one persistent kernel of at
+    most that many programs per multiprocessor, on the ``up`` tile's warps and stages."""
 
     BLOCK_M: int
     up: GemmConfig
     down: GemmConfig
+    persistent_programs_per_sm: int = 0
 
     @classmethod
     def from_json(cls, entry: dict) -> MoeConfig:
-        return cls(entry["BLOCK_M"], GemmConfig(**entry["up"]), GemmConfig(**entry["down"]))
+        return cls(entry["BLOCK_M"], GemmConfig(**entry["up"]), GemmConfig(**entry["down"]),
+                   entry.get("persistent_programs_per_sm", 0))
 
     def to_json(self) -> dict:
+        persistent = self.persistent_programs_per_sm
         return {"BLOCK_M": self.BLOCK_M, "up": dataclasses.asdict(self.up),
-                "down": dataclasses.asdict(self.down)}
+                "down": dataclasses.asdict(self.down),
+                **({"persistent_programs_per_sm": persistent} if persistent else {})}
 
 
 def config_path(num_experts: int, n: int, k: int, directory: Path = CONFIG_DIR) -> Path:

@@ -30,7 +30,7 @@ import triton.language as tl
 from qllm_kernels_moe.align import SortedSlots
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
 from qllm_kernels_moe.triton_align import moe_align_triton
-from qllm_kernels_moe.triton_slot_moe import slot_down, slot_gate_up
+from qllm_kernels_moe.triton_slot_moe import slot_down, slot_gate_up, slot_moe
 
 
 @triton.jit
@@ -178,6 +178,9 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         config = get_config(tokens, num_experts, gate_up_rows, hidden_size, top_k)
     x = x if x.stride(-1) == 1 else x.contiguous()
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
+    if config.BLOCK_M == 1 and config.persistent_programs_per_sm:
+        expert_out = slot_moe(x, w13, w2, shared_w13, shared_w2, topk_weights, topk_ids, config)
+        return expert_out.view(tokens, top_k, hidden_size)
     if config.BLOCK_M == 1:
         hidden = slot_gate_up(x, w13, shared_w13, topk_ids, config.up)  # [S, I]
         expert_out = slot_down(hidden, w2, shared_w2, topk_weights, topk_ids, config.down)

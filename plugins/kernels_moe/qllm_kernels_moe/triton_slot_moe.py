@@ -43,9 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm.plugins.devices import multiprocessors
+from qllm.plugins.devices import multiprocessors, resident_programs_per_sm
 from qllm.plugins.pdl import pdl_arguments, pdl_release, pdl_wait
-from qllm_kernels_moe.configs import GemmConfig
+from qllm_kernels_moe.configs import GemmConfig, MoeConfig
 
 
 @triton.jit
@@ -122,12 +122,13 @@ def _first_weight_tiles(w_ptr, shared_w_ptr, ids_ptr, slot, first_row, num_exper
 
 
 @triton.jit
-def _gate_up_tile(tile, tokens, num_blocks, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                  LOOPED: tl.constexpr):
-    """Tile ``tile`` of the gate-up -> ``(slot, first row)``. One tile a program: the slots
-    vary fastest (every program reads its first tile, the shared expert's guessed before the
-    wait). ``LOOPED``: the tiles of every token's last slot (the shared expert's) come first,
-    so that they are the programs' first tiles, then the slots before it."""
+def _slot_tile(tile, tokens, num_blocks, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+               LOOPED: tl.constexpr):
+    """Tile ``tile`` of a GEMM over the slots -> ``(slot, first row)``. One tile a program: the
+    slots vary fastest (every program reads its first tile, the shared expert's guessed before
+    the wait). ``LOOPED``: the tiles of every token's last slot (the shared expert's) come
+    first, then the slots before it, a slot's tiles together (so the persistent kernel's
+    gate-up completes the slots in the order its down takes them)."""
     if LOOPED:
         order, block = tile // num_blocks, tile % num_blocks
         slot = (order % tokens) * TOP_K + TOP_K - 1 - order // tokens
@@ -168,52 +169,77 @@ def _gate_up_rows(x_ptr, hidden_ptr, slot, rows, row_mask, ks, gate_ptrs, gate_w
 
 
 @triton.jit
-def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr, num_experts, tokens,
-                         N, K, stride_x_row, stride_w_expert, stride_w_row,
-                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         WHOLE_K: tl.constexpr, LOOPED: tl.constexpr,
-                         USE_PDL: tl.constexpr):
-    """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` for slot ``s`` of token
-    ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``). Program ``p``
-    computes tile ``p`` (``_gate_up_tile``); with ``LOOPED`` (fewer programs than tiles, ``G``
-    of them) also tiles ``p + G, p + 2G, ...``, each tile's weights read while the tile before
-    it is reduced. ``WHOLE_K``: ``BLOCK_K >= K``, the first tiles are the whole rows."""
+def _publish(counters_ptr, slot, PERSISTENT: tl.constexpr):
+    """In the persistent kernel, after a gate-up tile's store: count it done for ``slot``,
+    every thread's store of it ordered before (the down's tiles of the slot wait on the
+    count, ``_await_slot``)."""
+    if PERSISTENT:
+        tl.debug_barrier()
+        tl.atomic_add(counters_ptr + slot, 1, sem="release")
+
+
+@triton.jit
+def _await_slot(counters_ptr, slot, tiles):
+    """Spin until ``tiles`` gate-up tiles of ``slot`` are counted done; the loads after it see
+    their stores (an acquire: on sm_90 strong loads, then the L1 cache invalidated)."""
+    while tl.atomic_add(counters_ptr + slot, 0, sem="acquire") < tiles:
+        pass
+
+
+@triton.jit
+def _gate_up_tiles(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr, counters_ptr, num_experts,
+                   tokens, N, K, stride_x_row, stride_w_expert, stride_w_row,
+                   TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   WHOLE_K: tl.constexpr, LOOPED: tl.constexpr, PERSISTENT: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    """This program's gate-up tiles: tile ``p`` (``_slot_tile``) and, with ``LOOPED`` (fewer
+    programs than tiles, ``G`` of them), tiles ``p + G, p + 2G, ...``, each tile's weights
+    read while the tile before it is reduced; ``PERSISTENT``: each tile counted done
+    (``_publish``)."""
     num_blocks = tl.cdiv(N, BLOCK_N)
     num_tiles = tokens * TOP_K * num_blocks
-    slot, first_row = _gate_up_tile(tl.program_id(0), tokens, num_blocks, TOP_K, BLOCK_N,
-                                    LOOPED)
+    slot, first_row = _slot_tile(tl.program_id(0), tokens, num_blocks, TOP_K, BLOCK_N, LOOPED)
     rows, row_mask, ks, gate_ptrs, gate_w, up_w = _first_weight_tiles(
         w_ptr, shared_w_ptr, ids_ptr, slot, first_row, num_experts, N, K, stride_w_expert,
         stride_w_row, TOP_K, BLOCK_N, BLOCK_K, GATED=True, IDS_BEFORE_WAIT=False,
         USE_PDL=USE_PDL)  # gate_ptrs, gate_w, up_w: [BN, BK]; x: the norm's
     if LOOPED:  # compiled out where each program has one tile (half the registers)
         for tile in range(tl.program_id(0) + tl.num_programs(0), num_tiles, tl.num_programs(0)):
-            next_slot, next_row = _gate_up_tile(tile, tokens, num_blocks, TOP_K, BLOCK_N,
-                                                LOOPED)
+            next_slot, next_row = _slot_tile(tile, tokens, num_blocks, TOP_K, BLOCK_N, LOOPED)
             next_rows, next_mask, next_ptrs, next_gate_w, next_up_w = _weight_tiles(
                 w_ptr, shared_w_ptr, tl.load(ids_ptr + next_slot), next_row,
                 num_experts, N, K, stride_w_expert, stride_w_row, BLOCK_N, BLOCK_K, GATED=True)
             _gate_up_rows(x_ptr, hidden_ptr, slot, rows, row_mask, ks, gate_ptrs, gate_w, up_w, N,
                           K, stride_x_row, stride_w_row, TOP_K, BLOCK_K, WHOLE_K)
+            _publish(counters_ptr, slot, PERSISTENT)
             slot, rows, row_mask, gate_ptrs, gate_w, up_w = (next_slot, next_rows, next_mask,
                                                               next_ptrs, next_gate_w, next_up_w)
     _gate_up_rows(x_ptr, hidden_ptr, slot, rows, row_mask, ks, gate_ptrs, gate_w, up_w, N, K,
                   stride_x_row, stride_w_row, TOP_K, BLOCK_K, WHOLE_K)
+    _publish(counters_ptr, slot, PERSISTENT)
 
 
 @triton.jit
-def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weights_ptr, out_ptr,
-                      num_experts, N, K, stride_w_expert, stride_w_row,
-                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      WHOLE_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """``out[s, n] = round(routing_weights[s] * (hidden[s] . w[e, n]))`` for slot ``s`` routed
-    to expert ``e`` (``num_experts``: ``shared_w``); ``round`` to ``out``'s dtype. ``WHOLE_K``:
-    ``BLOCK_K >= K``, the first tile is the whole row."""
-    slot = tl.program_id(0)
-    rows, row_mask, ks, w_ptrs, w, _ = _first_weight_tiles(
-        w_ptr, shared_w_ptr, ids_ptr, slot, tl.program_id(1) * BLOCK_N, num_experts, N, K,
-        stride_w_expert, stride_w_row, TOP_K, BLOCK_N, BLOCK_K, GATED=False,
-        IDS_BEFORE_WAIT=True, USE_PDL=USE_PDL)  # w_ptrs, w: [BN, BK]; hidden: the gate-up's
+def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr, num_experts, tokens,
+                         N, K, stride_x_row, stride_w_expert, stride_w_row,
+                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         WHOLE_K: tl.constexpr, LOOPED: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` for slot ``s`` of token
+    ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``), over the tiles
+    of ``_gate_up_tiles``. ``WHOLE_K``: ``BLOCK_K >= K``, the first tiles are the whole
+    rows."""
+    _gate_up_tiles(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr, hidden_ptr, num_experts,
+                   tokens, N, K, stride_x_row, stride_w_expert, stride_w_row, TOP_K, BLOCK_N,
+                   BLOCK_K, WHOLE_K, LOOPED, PERSISTENT=False, USE_PDL=USE_PDL)
+
+
+@triton.jit
+def _down_rows(hidden_ptr, routing_weights_ptr, out_ptr, slot, rows, row_mask, ks, w_ptrs, w,
+               N, K, BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr):
+    """``out[slot, rows] = round(routing_weights[slot] * (hidden[slot] . w rows))`` from the
+    rows' first ``BLOCK_K`` columns already loaded (``w [BN, BK]``, ``w_ptrs`` at them), the
+    rest read here."""
     h_ptrs = hidden_ptr + slot * K + ks  # [BK]
     h = tl.load(h_ptrs, mask=ks < K, other=0.0).to(tl.float32)[None, :]  # [1, BK]
     if WHOLE_K:  # reduced at once: no [BN, BK] fp32 accumulator (half the registers), so
@@ -231,6 +257,69 @@ def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weights_
         dots = tl.sum(acc, axis=1)
     out = dots * tl.load(routing_weights_ptr + slot).to(tl.float32)
     tl.store(out_ptr + slot * N + rows, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weights_ptr, out_ptr,
+                      num_experts, N, K, stride_w_expert, stride_w_row,
+                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      WHOLE_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """``out[s, n] = round(routing_weights[s] * (hidden[s] . w[e, n]))`` for slot ``s`` routed
+    to expert ``e`` (``num_experts``: ``shared_w``); ``round`` to ``out``'s dtype. ``WHOLE_K``:
+    ``BLOCK_K >= K``, the first tile is the whole row."""
+    slot = tl.program_id(0)
+    rows, row_mask, ks, w_ptrs, w, _ = _first_weight_tiles(
+        w_ptr, shared_w_ptr, ids_ptr, slot, tl.program_id(1) * BLOCK_N, num_experts, N, K,
+        stride_w_expert, stride_w_row, TOP_K, BLOCK_N, BLOCK_K, GATED=False,
+        IDS_BEFORE_WAIT=True, USE_PDL=USE_PDL)  # w_ptrs, w: [BN, BK]; hidden: the gate-up's
+    _down_rows(hidden_ptr, routing_weights_ptr, out_ptr, slot, rows, row_mask, ks, w_ptrs, w,
+               N, K, BLOCK_K, WHOLE_K)
+
+
+RESET_BLOCK = tl.constexpr(128)  # counters the persistent kernel zeroes per store
+
+
+@triton.jit
+def _slot_moe_kernel(x_ptr, w13_ptr, shared_w13_ptr, w2_ptr, shared_w2_ptr, ids_ptr,
+                     routing_weights_ptr, hidden_ptr, out_ptr, counters_ptr, num_experts, tokens,
+                     I, H, stride_x_row, stride_w13_expert, stride_w13_row, stride_w2_expert,
+                     stride_w2_row, TOP_K: tl.constexpr, UP_BLOCK_N: tl.constexpr,
+                     UP_BLOCK_K: tl.constexpr, UP_WHOLE_K: tl.constexpr,
+                     DOWN_BLOCK_N: tl.constexpr, DOWN_BLOCK_K: tl.constexpr,
+                     DOWN_WHOLE_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """Both GEMMs in one persistent grid of ``G`` programs, every one resident at once (the
+    launcher's bound): the gate-up's tiles (``_gate_up_tiles``, looped), then the down's, the
+    tiles of both numbered as one round-robin sequence, so a program that runs out of gate-up
+    tiles starts on the down's at once. A down tile reads its weights, then waits for its
+    slot's gate-up tiles (``counters[slot]``), then reads the slot's ``hidden`` row. The last
+    program to finish zeroes ``counters[:S + 1]`` (``counters[S]`` counts the programs done),
+    so every launch finds them zero."""
+    _gate_up_tiles(x_ptr, w13_ptr, shared_w13_ptr, ids_ptr, hidden_ptr, counters_ptr,
+                   num_experts, tokens, I, H, stride_x_row, stride_w13_expert, stride_w13_row,
+                   TOP_K, UP_BLOCK_N, UP_BLOCK_K, UP_WHOLE_K, LOOPED=True, PERSISTENT=True,
+                   USE_PDL=USE_PDL)
+    programs = tl.num_programs(0)
+    num_slots = tokens * TOP_K
+    up_blocks = tl.cdiv(I, UP_BLOCK_N)
+    down_blocks = tl.cdiv(H, DOWN_BLOCK_N)
+    ks = tl.arange(0, DOWN_BLOCK_K)
+    first_down = (tl.program_id(0) + programs - num_slots * up_blocks % programs) % programs
+    for tile in range(first_down, num_slots * down_blocks, programs):
+        slot, first_row = _slot_tile(tile, tokens, down_blocks, TOP_K, DOWN_BLOCK_N,
+                                     LOOPED=True)
+        rows, row_mask, w_ptrs, w, _ = _weight_tiles(
+            w2_ptr, shared_w2_ptr, tl.load(ids_ptr + slot), first_row, num_experts, H, I,
+            stride_w2_expert, stride_w2_row, DOWN_BLOCK_N, DOWN_BLOCK_K,
+            GATED=False)  # w_ptrs, w: [BN, BK]
+        _await_slot(counters_ptr, slot, up_blocks)
+        _down_rows(hidden_ptr, routing_weights_ptr, out_ptr, slot, rows, row_mask, ks, w_ptrs,
+                   w, H, I, DOWN_BLOCK_K, DOWN_WHOLE_K)
+    done = tl.atomic_add(counters_ptr + num_slots, 1, sem="acq_rel")
+    if done == programs - 1:
+        for first in range(0, num_slots + 1, RESET_BLOCK):
+            entries = first + tl.arange(0, RESET_BLOCK)
+            tl.store(counters_ptr + entries, tl.zeros([RESET_BLOCK], tl.int32),
+                     mask=entries <= num_slots)
 
 
 def slot_gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor,
@@ -270,4 +359,66 @@ def slot_down(hidden: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor,
         w2.stride(0), w2.stride(1), TOP_K=topk_ids.shape[1], BLOCK_N=config.BLOCK_N,
         BLOCK_K=config.BLOCK_K, WHOLE_K=config.BLOCK_K >= inter, num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl_arguments(hidden.device, topk_ids.shape[0]))
+    return out
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+_resident: dict[tuple, int] = {}  # launch key -> programs one multiprocessor holds
+
+
+def _slot_counters(device: torch.device, num_slots: int) -> torch.Tensor:
+    """The persistent kernel's counters on ``device``, int32, at least ``num_slots + 1`` (one
+    per slot, then the programs done): zero between launches (each launch's last program
+    zeroes them), grown (doubled) outside CUDA graph captures only."""
+    counters = _counters.get(device)
+    if counters is None or counters.numel() <= num_slots:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"the persistent slot MoE needs counters for {num_slots} slots "
+                               f"before this CUDA graph capture: run the op at this token "
+                               f"count once outside it first")
+        size = max(256, 2 * (num_slots + 1))
+        counters = _counters[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return counters
+
+
+def _persistent_programs(launch_key: tuple, device: torch.device, per_sm: int, args: tuple,
+                         kwargs: dict) -> int:
+    """Programs of the persistent kernel: ``per_sm`` per multiprocessor, bounded by how many
+    are resident at once (its programs wait for each other: more would deadlock); one on the
+    CPU, whose interpreter runs programs one after another."""
+    if device.type != "cuda":
+        return 1
+    if launch_key not in _resident:
+        compiled = _slot_moe_kernel.warmup(*args, grid=(1,), **kwargs)
+        _resident[launch_key] = resident_programs_per_sm(compiled, device)
+    return min(per_sm, _resident[launch_key]) * multiprocessors(device)
+
+
+def slot_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, shared_w13: torch.Tensor,
+             shared_w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+             config: MoeConfig) -> torch.Tensor:
+    """Both GEMMs per slot in one persistent kernel (``_slot_moe_kernel``): ``x [T, H]``,
+    ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` (expert ``E``: ``shared_w13``, ``shared_w2``),
+    ``topk_weights`` / ``topk_ids [T, k]`` contiguous -> ``expert_out [T * k, H]`` as
+    ``slot_down``'s, with ``config.persistent_programs_per_sm`` programs per multiprocessor at
+    most."""
+    tokens, top_k = topk_ids.shape
+    num_slots, inter, hidden_size = tokens * top_k, w2.shape[2], x.shape[1]
+    hidden = x.new_empty(num_slots, inter)
+    out = x.new_empty(num_slots, hidden_size)
+    up, down = config.up, config.down
+    args = (x, w13, shared_w13, w2, shared_w2, topk_ids, topk_weights, hidden, out,
+            _slot_counters(x.device, num_slots), w13.shape[0], tokens, inter, hidden_size, x.stride(0),
+            w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1))
+    kwargs = dict(TOP_K=top_k, UP_BLOCK_N=up.BLOCK_N, UP_BLOCK_K=up.BLOCK_K,
+                  UP_WHOLE_K=up.BLOCK_K >= hidden_size, DOWN_BLOCK_N=down.BLOCK_N,
+                  DOWN_BLOCK_K=down.BLOCK_K, DOWN_WHOLE_K=down.BLOCK_K >= inter,
+                  num_warps=up.num_warps,
+                  num_stages=up.num_stages, **pdl_arguments(x.device, tokens))
+    launch_key = (x.device, x.dtype, tokens, config, tuple(kwargs.items()))
+    up_tiles = num_slots * triton.cdiv(inter, up.BLOCK_N)
+    programs = min(up_tiles, _persistent_programs(launch_key, x.device,
+                                                  config.persistent_programs_per_sm, args,
+                                                  kwargs))
+    _slot_moe_kernel[(programs,)](*args, **kwargs)
     return out

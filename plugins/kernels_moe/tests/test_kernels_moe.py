@@ -52,6 +52,7 @@ FORCED = {  # every BLOCK_M, and tiles that leave partial column / K tiles
     "m32": MoeConfig(32, GemmConfig(64, 128, 8, 8, 4), GemmConfig(128, 64, 1, 4, 2)),
     "m64": MoeConfig(64, GemmConfig(128, 64), GemmConfig(256, 64, 8, 8, 3)),
     "m128": MoeConfig(128, GemmConfig(64, 64, 1, 8, 4), GemmConfig(128, 32, 1, 8, 4)),
+    "m1-persistent": MoeConfig(1, GemmConfig(4, 512), GemmConfig(16, 128), 8),
 }
 # name -> (tokens, experts, top_k, hidden, intermediate, skew)
 TINY = {
@@ -68,11 +69,14 @@ TINY_CONFIGS = {
     "m32": MoeConfig(32, GemmConfig(32, 16, 4), GemmConfig(16, 32)),
 }
 # the slot path's gate-up with programs that each compute several tiles (on the CPU's 4
-# stand-in multiprocessors), at the TINY cases of at most 33 tokens
+# stand-in multiprocessors), or both GEMMs in the persistent kernel (one program on the CPU),
+# at the TINY cases of at most 33 tokens
 LOOPED_CONFIGS = {
     "m1-looped": MoeConfig(1, GemmConfig(8, 16, programs_per_sm=1), GemmConfig(16, 16, 1, 2)),
     "m1-whole-k-looped": MoeConfig(1, GemmConfig(8, 64, programs_per_sm=3),
                                    GemmConfig(16, 32, 1, 2)),
+    "m1-persistent": MoeConfig(1, GemmConfig(8, 16), GemmConfig(16, 16), 2),
+    "m1-whole-k-persistent": MoeConfig(1, GemmConfig(8, 64), GemmConfig(16, 32), 2),
 }
 LOOPED_CASES = {name: case for name, case in TINY.items() if case[0] <= 33}
 
@@ -190,6 +194,34 @@ def test_cuda_graph_replay():
             getattr(inputs, name).copy_(getattr(new, name))
         graph.replay()
         _assert_close(out, _reference(inputs), torch.bfloat16)
+
+
+@cuda
+@pytest.mark.parametrize("per_sm", [1, 8])
+def test_persistent_slot_moe_replayed(per_sm):
+    """The slot path's persistent kernel (both GEMMs, programs waiting on each other's tiles)
+    at one token of Qwen3.5-35B-A3B, captured once and replayed with new routing: every replay
+    equals the same kernel run eagerly (all its down tiles waited for their slots), and leaves
+    its counters zero for the next."""
+    from qllm_kernels_moe.triton_moe import fused_moe_triton
+    from qllm_kernels_moe.triton_slot_moe import _slot_counters
+
+    experts, top_k, hidden, inter = GPU_SHAPES["35b-a3b"]
+    config = MoeConfig(1, GemmConfig(1, 2048, num_warps=4, num_stages=1),
+                       GemmConfig(4, 512), per_sm)
+    inputs = moe_inputs(1, experts, hidden, inter, top_k, device="cuda")
+    eager = fused_moe_triton(*inputs, config=config)  # compiles, creates the counters
+    _assert_close(eager, _reference(inputs), torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_triton(*inputs, config=config)
+    for seed in range(1, 21):
+        new = moe_inputs(1, experts, hidden, inter, top_k, device="cuda", seed=seed)
+        for name in ("x", "topk_weights", "topk_ids"):
+            getattr(inputs, name).copy_(getattr(new, name))
+        graph.replay()
+        assert torch.equal(out, fused_moe_triton(*inputs, config=config)), f"replay {seed}"
+    assert not _slot_counters(inputs.x.device, 0).any()
 
 
 @cuda
@@ -442,8 +474,9 @@ def test_interpreted_slot_path_bf16(case):
 @pytest.mark.parametrize("case", LOOPED_CASES.values(), ids=LOOPED_CASES.keys())
 def test_interpreted_slot_path_looped(case, config):
     """The gate-up's programs computing every so many tiles (``programs_per_sm``), the tile
-    after the first read while the one before is reduced; with the shared expert in each
-    token's last slot and, in the next test, its first."""
+    after the first read while the one before is reduced, or both GEMMs in one persistent
+    kernel; with the shared expert in each token's last slot and, in the next test, its
+    first."""
     tokens, experts, top_k, hidden, inter, skew = case
     check_parity(moe_inputs(tokens, experts, hidden, inter, top_k, torch.float32, skew=skew),
                  config)
@@ -452,8 +485,8 @@ def test_interpreted_slot_path_looped(case, config):
 @interpreted
 @pytest.mark.parametrize("case,config", [
     *[pytest.param(case, "m1", id=f"{name}-m1") for name, case in TINY.items()],
-    *[pytest.param(case, "m1-looped", id=f"{name}-m1-looped")
-      for name, case in LOOPED_CASES.items()]])
+    *[pytest.param(case, config, id=f"{name}-{config}") for name, case in LOOPED_CASES.items()
+      for config in ("m1-looped", "m1-persistent")]])
 def test_interpreted_slot_path_shared_expert_not_last(case, config):
     """Each token's shared expert in its first slot, a routed one in its last: the slot
     kernels' guess (the last slot is the shared expert's) is wrong everywhere, and the result
