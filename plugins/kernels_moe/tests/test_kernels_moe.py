@@ -420,8 +420,9 @@ def _meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 
 
 def _pdl_launch(op: str):
-    """The launch of the router or of the experts (the slot path: gate-up, then down) at one
-    token of Qwen3.5-35B-A3B, on ``meta`` tensors."""
+    """The launch of the router or of the experts (the slot path: gate-up, then down, or
+    ``fused_moe-persistent``, both in one kernel) at one token of Qwen3.5-35B-A3B, on ``meta``
+    tensors."""
     from qllm_kernels_moe.triton_moe import fused_moe_triton
     from qllm_kernels_moe.triton_router import moe_router_triton
 
@@ -432,19 +433,22 @@ def _pdl_launch(op: str):
                        _meta(experts, hidden, inter), _meta(1, top_k + 1),
                        _meta(1, top_k + 1, dtype=torch.int64), _meta(2 * inter, hidden),
                        _meta(hidden, inter))
-    return lambda: fused_moe_triton(*inputs)
+    config = MoeConfig(1, GemmConfig(1, 2048, num_stages=1), GemmConfig(4, 512), 8) \
+        if op == "fused_moe-persistent" else None
+    return lambda: fused_moe_triton(*inputs, config=config)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("op", ["router", "fused_moe"])
+@pytest.mark.parametrize("op", ["router", "fused_moe", "fused_moe-persistent"])
 def test_pdl_sass(op, monkeypatch):
     """The router's kernel and the slot path's two, compiled for sm_90 as launched: with PDL
     each waits before any store, the router at entry, the gate-up after reading the shared
-    expert's first tile, and it lets the down launch only after its wait; the down reads its
-    ids and weights first (``qllm.testing.pdl.assert_pdl_sass``); without, no
-    grid-dependency-control instruction."""
-    assert_pdl_sass(_pdl_launch(op), monkeypatch, reads_before_wait=op == "fused_moe",
-                    releases_after_wait={"_slot_gate_up_kernel"})
+    expert's first tile, and it lets the down launch only after its wait (the persistent
+    kernel, as the gate-up); the down reads its ids and weights first
+    (``qllm.testing.pdl.assert_pdl_sass``); without, no grid-dependency-control
+    instruction."""
+    assert_pdl_sass(_pdl_launch(op), monkeypatch, reads_before_wait=op != "router",
+                    releases_after_wait={"_slot_gate_up_kernel", "_slot_moe_kernel"})
 
 
 test_triton_interpreter = interpreter_driver(__file__)
