@@ -19,6 +19,16 @@ entry with ``BLOCK_M == 1``) with ``x [T, H]``, ``topk_ids [T, k]`` (``S = T * k
    running its k slots in turn, with the sum in the same kernel, waited on nine loads one
    after the other: 10.7 us per layer at W3's one token, 1.65 TB/s.)
 
+Or, with the config's ``persistent_programs_per_sm``, both in one persistent kernel
+(``slot_moe``): every program resident at once, each takes gate-up tiles, then down tiles, in
+one round-robin; a down tile reads its weights, then waits for its slot's gate-up tiles (a
+counter per slot, release / acquire atomics), so the down's weights stream while the gate-up's
+last tiles run. Two kernels cannot do that: the down's programs launch only once every
+gate-up program has released them (at one token, 4,608 one-column programs in about three
+waves: the last wave's release comes late) and find the multiprocessors full until the
+gate-up's programs exit; ``benchmarks/bench_pdl_launch.py`` measured the release itself
+working (a dependent entered 0.35-0.48 us after the last release, 2026-12-07, H100).
+
 An expert hit by several slots is read once per slot (from L2 after the first), so the path
 pays only while slots rarely share experts: the tuner decides up to which token count.
 Products are accumulated over ``[BLOCK_N, BLOCK_K]`` tiles in fp32 and reduced once per row at
