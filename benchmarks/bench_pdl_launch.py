@@ -17,9 +17,13 @@ Per case one JSON line: ``last`` 's entry after ``middle`` 's last release
 (``entry_after_release_us``: about a launch latency where the trigger works), after ``first`` 's
 end and after ``middle`` 's first program ended (``entry_after_first_end_us``: near zero where
 the dependent in fact waits for the primary's programs to exit), and the spread of the releases.
-Medians over ``--replays`` replays of the graph.
+Medians over ``--replays`` replays of the graph. With ``--profile``, one more replay under
+``torch.profiler`` also says when the profiler saw ``last`` start, against ``middle``'s end
+(``profiler_start_after_middle_end_us``), beside the stamps' same interval of that replay:
+whether a decode step's profile shows a PDL launch where it happens.
 
     python benchmarks/bench_pdl_launch.py [--programs 132 264 1056 4608] [--release after before]
+        [--profile]
 """
 
 from __future__ import annotations
@@ -101,9 +105,34 @@ def timings(stamps: list[int], programs: int) -> dict:
             "release_spread_us": (max(releases) - min(releases)) / 1e3}
 
 
+def profiled(graph: torch.cuda.CUDAGraph, stamps: torch.Tensor, programs: int) -> dict:
+    """One replay of ``graph`` under the profiler: ``last`` 's start after ``middle`` 's end as
+    the profiler saw them, and as the stamps say (its entry after the last program's end), us."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        graph.replay()
+        torch.cuda.synchronize()
+    spans = {event.name: (event.time_range.start, event.time_range.end)
+             for event in trace.events() if event.device_type == DeviceType.CUDA}
+    return profiled_intervals(spans, stamps.tolist(), programs)
+
+
+def profiled_intervals(spans: dict[str, tuple[float, float]], stamps: list[int],
+                       programs: int) -> dict:
+    """``profiled``'s two intervals from the profiler's kernel spans (name -> (start, end),
+    us) and the replay's stamps (ns), us."""
+    ends, last_entry = stamps[2:2 + 2 * programs:2], stamps[1 + 2 * programs]
+    return {"profiler_start_after_middle_end_us":
+            round(spans["_last_kernel"][0] - spans["_middle_kernel"][1], 2),
+            "stamps_entry_after_middle_end_us": round((last_entry - max(ends)) / 1e3, 2)}
+
+
 def measure(programs: int, release_before_wait: bool, warps: int, first_us: float,
-            middle_us: float, replays: int) -> dict:
-    """Medians over ``replays`` replays of the chain captured in a CUDA graph."""
+            middle_us: float, replays: int, profile: bool) -> dict:
+    """Medians over ``replays`` replays of the chain captured in a CUDA graph; with
+    ``profile``, then ``profiled``'s replay."""
     stamps = torch.zeros(2 + 2 * programs, dtype=torch.int64, device="cuda")
     args = (stamps, programs, release_before_wait, warps, int(first_us * 1e3),
             int(middle_us * 1e3))
@@ -117,7 +146,8 @@ def measure(programs: int, release_before_wait: bool, warps: int, first_us: floa
         graph.replay()
         torch.cuda.synchronize()
         runs.append(timings(stamps.tolist(), programs))
-    return {key: round(statistics.median(run[key] for run in runs), 2) for key in runs[0]}
+    medians = {key: round(statistics.median(run[key] for run in runs), 2) for key in runs[0]}
+    return {**medians, **(profiled(graph, stamps, programs) if profile else {})}
 
 
 def main() -> None:
@@ -130,6 +160,8 @@ def main() -> None:
     parser.add_argument("--first-us", type=float, default=5.0)
     parser.add_argument("--middle-us", type=float, default=15.0)
     parser.add_argument("--replays", type=int, default=11)
+    parser.add_argument("--profile", action="store_true",
+                        help="one more replay under torch.profiler (module docstring)")
     args = parser.parse_args()
     if not pdl_available(torch.device("cuda")):
         raise SystemExit("programmatic dependent launch needs a CUDA GPU of compute "
@@ -139,7 +171,7 @@ def main() -> None:
             case = {"programs": programs, "release": release, "warps": args.warps,
                     "device": torch.cuda.get_device_name()}
             case.update(measure(programs, release == "before", args.warps, args.first_us,
-                                args.middle_us, args.replays))
+                                args.middle_us, args.replays, args.profile))
             print(json.dumps(case), flush=True)
 
 

@@ -28,7 +28,8 @@
 #   16 rows unless QLLM_PDL=0 in the environment (the end-to-end measure:
 #   QLLM_PDL=0 bash benchmarks/gpu_run.sh w3, against a plain w3 in the same call);
 #   pdl-launch: when a PDL-launched kernel starts against the releases of the one before
-#   (bench_pdl_launch.py: why W3's slot down starts only as the gate-up ends);
+#   (bench_pdl_launch.py: why W3's slot down starts only as the gate-up ends), and where
+#   the profiler puts that start;
 #   bench-int8: the 8-bit kernels against bf16 at those shapes (1 and 200 rows) and the MoE
 #   (1 and 4 tokens), JSON lines, then decode_step lines (W3's dense + MoE time per format);
 #   bench-int8-sweep: the 8-bit GEMV's launch-config sweep at one row (best per shape);
@@ -252,7 +253,7 @@ for stage in "$@"; do
              pdl_tests ;;
         pdl-tests) pdl_tests ;;
         pdl-launch) TAIL=${TAIL:-8} run bench_pdl_launch 200 python3 \
-                        benchmarks/bench_pdl_launch.py ;;
+                        benchmarks/bench_pdl_launch.py --profile ;;
         bench-int8) TAIL=${TAIL:-12} run bench_int8 300 python3 \
                         plugins/kernels_int8/benchmarks/bench_int8.py ;;
         bench-int8-sweep) TAIL=${TAIL:-6} run bench_int8_sweep 480 python3 \

@@ -27,6 +27,16 @@ def test_intervals_from_stamps():
         "entry_after_first_end_us": -1.0, "release_spread_us": 0.2}
 
 
+def test_profiled_intervals():
+    # the profiler saw middle end at 30.0 us and last start at 30.5; the stamps: last entered
+    # 2 us before middle's last program ended
+    spans = {"_first_kernel": (0.0, 5.0), "_middle_kernel": (5.5, 30.0),
+             "_last_kernel": (30.5, 31.0)}
+    stamps = [5_000, 5_600, 20_000, 5_800, 21_000, 19_000]
+    assert bench.profiled_intervals(spans, stamps, programs=2) == {
+        "profiler_start_after_middle_end_us": 0.5, "stamps_entry_after_middle_end_us": -2.0}
+
+
 @pytest.mark.skipif(INTERPRETING, reason="compiles for sm_90")
 @pytest.mark.parametrize("release_before_wait", [True, False], ids=["before", "after"])
 def test_kernels_release_and_wait_where_the_case_says(release_before_wait):
