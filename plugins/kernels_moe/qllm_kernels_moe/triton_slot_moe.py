@@ -239,9 +239,9 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr, num_ex
     ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``), over the tiles
     of ``_gate_up_tiles``. ``WHOLE_K``: ``BLOCK_K >= K``, the first tiles are the whole
     rows."""
-    _gate_up_tiles(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr, hidden_ptr, num_experts,
-                   tokens, N, K, stride_x_row, stride_w_expert, stride_w_row, TOP_K, BLOCK_N,
-                   BLOCK_K, WHOLE_K, LOOPED, PERSISTENT=False, USE_PDL=USE_PDL)
+    _gate_up_tiles(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr, None, num_experts, tokens,
+                   N, K, stride_x_row, stride_w_expert, stride_w_row, TOP_K, BLOCK_N, BLOCK_K,
+                   WHOLE_K, LOOPED, PERSISTENT=False, USE_PDL=USE_PDL)  # no counters
 
 
 @triton.jit
