@@ -395,7 +395,8 @@ def _persistent_programs(launch_key: tuple, device: torch.device, per_sm: int, a
                          kwargs: dict) -> int:
     """Programs of the persistent kernel: ``per_sm`` per multiprocessor, bounded by how many
     are resident at once (its programs wait for each other: more would deadlock); one on the
-    CPU, whose interpreter runs programs one after another."""
+    CPU, whose interpreter runs programs one after another. The bound assumes the process has
+    every multiprocessor (not an MPS client held to a share of them)."""
     if device.type != "cuda":
         return 1
     if launch_key not in _resident:
