@@ -419,13 +419,13 @@ def slot_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, shared_w13: t
     out = x.new_empty(num_slots, hidden_size)
     up, down = config.up, config.down
     args = (x, w13, shared_w13, w2, shared_w2, topk_ids, topk_weights, hidden, out,
-            _slot_counters(x.device, num_slots), w13.shape[0], tokens, inter, hidden_size, x.stride(0),
-            w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1))
+            _slot_counters(x.device, num_slots), w13.shape[0], tokens, inter, hidden_size,
+            x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1))
     kwargs = dict(TOP_K=top_k, UP_BLOCK_N=up.BLOCK_N, UP_BLOCK_K=up.BLOCK_K,
                   UP_WHOLE_K=up.BLOCK_K >= hidden_size, DOWN_BLOCK_N=down.BLOCK_N,
                   DOWN_BLOCK_K=down.BLOCK_K, DOWN_WHOLE_K=down.BLOCK_K >= inter,
-                  num_warps=up.num_warps,
-                  num_stages=up.num_stages, **pdl_arguments(x.device, tokens))
+                  num_warps=up.num_warps, num_stages=up.num_stages,
+                  **pdl_arguments(x.device, tokens))
     launch_key = (x.device, x.dtype, tokens, config, tuple(kwargs.items()))
     up_tiles = num_slots * triton.cdiv(inter, up.BLOCK_N)
     programs = min(up_tiles, _persistent_programs(launch_key, x.device,
