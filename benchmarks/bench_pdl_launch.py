@@ -95,10 +95,16 @@ def launch_chain(stamps: torch.Tensor, programs: int, release_before_wait: bool,
     _last_kernel[(1,)](stamps, programs, **pdl)
 
 
+def unpack(stamps: list[int], programs: int) -> tuple[int, list[int], list[int], int]:
+    """One replay's stamps -> ``(first's end, middle's releases, middle's ends, last's
+    entry)``, ns."""
+    return (stamps[0], stamps[1:1 + 2 * programs:2], stamps[2:2 + 2 * programs:2],
+            stamps[1 + 2 * programs])
+
+
 def timings(stamps: list[int], programs: int) -> dict:
     """One replay's stamps -> its intervals, us."""
-    first_end, last_entry = stamps[0], stamps[1 + 2 * programs]
-    releases, ends = stamps[1:1 + 2 * programs:2], stamps[2:2 + 2 * programs:2]
+    first_end, releases, ends, last_entry = unpack(stamps, programs)
     return {"entry_after_release_us": (last_entry - max(releases)) / 1e3,
             "entry_after_first_kernel_us": (last_entry - first_end) / 1e3,
             "entry_after_first_end_us": (last_entry - min(ends)) / 1e3,
@@ -108,14 +114,14 @@ def timings(stamps: list[int], programs: int) -> dict:
 def profiled(graph: torch.cuda.CUDAGraph, stamps: torch.Tensor, programs: int) -> dict:
     """One replay of ``graph`` under the profiler: ``last`` 's start after ``middle`` 's end as
     the profiler saw them, and as the stamps say (its entry after the last program's end), us."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from profile_step import kernel_intervals
 
     with profile(activities=[ProfilerActivity.CUDA]) as trace:
         graph.replay()
         torch.cuda.synchronize()
-    spans = {event.name: (event.time_range.start, event.time_range.end)
-             for event in trace.events() if event.device_type == DeviceType.CUDA}
+    spans = {name: (start, end) for start, end, name in kernel_intervals(trace)}
     return profiled_intervals(spans, stamps.tolist(), programs)
 
 
@@ -123,7 +129,7 @@ def profiled_intervals(spans: dict[str, tuple[float, float]], stamps: list[int],
                        programs: int) -> dict:
     """``profiled``'s two intervals from the profiler's kernel spans (name -> (start, end),
     us) and the replay's stamps (ns), us."""
-    ends, last_entry = stamps[2:2 + 2 * programs:2], stamps[1 + 2 * programs]
+    _, _, ends, last_entry = unpack(stamps, programs)
     return {"profiler_start_after_middle_end_us":
             round(spans["_last_kernel"][0] - spans["_middle_kernel"][1], 2),
             "stamps_entry_after_middle_end_us": round((last_entry - max(ends)) / 1e3, 2)}
