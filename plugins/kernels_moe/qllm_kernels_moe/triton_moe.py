@@ -178,12 +178,13 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         config = get_config(tokens, num_experts, gate_up_rows, hidden_size, top_k)
     x = x if x.stride(-1) == 1 else x.contiguous()
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
-    if config.BLOCK_M == 1 and config.persistent_programs_per_sm:
-        expert_out = slot_moe(x, w13, w2, shared_w13, shared_w2, topk_weights, topk_ids, config)
-        return expert_out.view(tokens, top_k, hidden_size)
     if config.BLOCK_M == 1:
-        hidden = slot_gate_up(x, w13, shared_w13, topk_ids, config.up)  # [S, I]
-        expert_out = slot_down(hidden, w2, shared_w2, topk_weights, topk_ids, config.down)
+        if config.persistent_programs_per_sm:
+            expert_out = slot_moe(x, w13, w2, shared_w13, shared_w2, topk_weights, topk_ids,
+                                  config)
+        else:
+            hidden = slot_gate_up(x, w13, shared_w13, topk_ids, config.up)  # [S, I]
+            expert_out = slot_down(hidden, w2, shared_w2, topk_weights, topk_ids, config.down)
         return expert_out.view(tokens, top_k, hidden_size)
     sorted_slots = moe_align_triton(topk_ids, num_experts + 1, config.BLOCK_M)
     hidden = gate_up(x, w13, shared_w13, sorted_slots, top_k, config.BLOCK_M,

@@ -426,7 +426,7 @@ def slot_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, shared_w13: t
                   DOWN_BLOCK_K=down.BLOCK_K, DOWN_WHOLE_K=down.BLOCK_K >= inter,
                   num_warps=up.num_warps, num_stages=up.num_stages,
                   **pdl_arguments(x.device, tokens))
-    launch_key = (x.device, x.dtype, tokens, config, tuple(kwargs.items()))
+    launch_key = (x.device, x.dtype, tokens, tuple(kwargs.items()))
     up_tiles = num_slots * triton.cdiv(inter, up.BLOCK_N)
     programs = min(up_tiles, _persistent_programs(launch_key, x.device,
                                                   config.persistent_programs_per_sm, args,
