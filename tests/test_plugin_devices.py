@@ -12,8 +12,11 @@ import torch
 from qllm.plugins import devices
 
 # an H100's per-multiprocessor limits, as torch.cuda.get_device_properties gives them
-H100 = SimpleNamespace(warp_size=32, max_threads_per_multi_processor=2048,
+H100 = SimpleNamespace(major=9, minor=0, warp_size=32, max_threads_per_multi_processor=2048,
                        regs_per_multiprocessor=65536, shared_memory_per_multiprocessor=233472)
+# an RTX 3090's (compute capability 8.6): 1,536 threads and 16 blocks
+RTX_3090 = SimpleNamespace(major=8, minor=6, warp_size=32, max_threads_per_multi_processor=1536,
+                           regs_per_multiprocessor=65536, shared_memory_per_multiprocessor=102400)
 
 
 class Compiled:
@@ -40,4 +43,14 @@ class Compiled:
 def test_resident_programs_per_sm(monkeypatch, registers, warps, shared, expected):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: H100)
     compiled = Compiled(registers, warps, shared)
+    assert devices.resident_programs_per_sm(compiled, torch.device("cuda")) == expected
+
+
+@pytest.mark.parametrize("registers,warps,expected", [
+    (16, 1, 16),  # blocks bound: 16 on compute capability 8.6, not 32
+    (32, 4, 12),  # threads bound: 48 warps
+])
+def test_resident_programs_per_sm_on_a_consumer_gpu(monkeypatch, registers, warps, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: RTX_3090)
+    compiled = Compiled(registers, warps, 0)
     assert devices.resident_programs_per_sm(compiled, torch.device("cuda")) == expected

@@ -16,8 +16,9 @@ def multiprocessors(device: torch.device, elsewhere: int = 4) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# Thread blocks one multiprocessor holds at most (compute capability 9.0 and 8.x: 32)
-MAX_BLOCKS_PER_SM = 32
+# Thread blocks one multiprocessor holds at most: 32 on compute capability 8.0, 9.0 and 10.x,
+# 16 on the others since 7.5 (and taken as 16 wherever not known: fewer is safe)
+WIDE_BLOCK_LIMIT = {(8, 0), (9, 0), (10, 0), (10, 3)}
 REGISTER_ALLOCATION_UNIT = 256  # registers are allocated to a warp in units of this many
 
 
@@ -30,7 +31,7 @@ def resident_programs_per_sm(compiled, device: torch.device) -> int:
     warps = compiled.metadata.num_warps
     warp_registers = -(-compiled.n_regs * props.warp_size // REGISTER_ALLOCATION_UNIT) \
         * REGISTER_ALLOCATION_UNIT
-    bounds = [MAX_BLOCKS_PER_SM,
+    bounds = [32 if (props.major, props.minor) in WIDE_BLOCK_LIMIT else 16,
               props.max_threads_per_multi_processor // (props.warp_size * warps),
               props.regs_per_multiprocessor // warp_registers // warps]
     if compiled.metadata.shared:  # each block also holds 1 KiB the driver reserves
