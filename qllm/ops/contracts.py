@@ -62,6 +62,8 @@ CORE_OPS: tuple[OpContract, ...] = (
                "softmax top-k routing, then the shared expert's sigmoid-gated slot"),
     OpContract("fused_moe", moe.fused_moe,
                "the SwiGLU experts of each token's routed slots, weighted, unsummed"),
+    OpContract("fused_moe_add_rms_norm", moe.fused_moe_add_rms_norm,
+               "fused_moe, then add_rms_norm of its slots (the two fused by kernels)"),
     OpContract("sample_tokens", sampling.sample_tokens,
                "a token per row drawn from softmax(logits / temperature), argmax at 0"),
 )

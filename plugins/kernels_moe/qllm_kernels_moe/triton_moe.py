@@ -19,6 +19,9 @@ slots, slot ``t * k + j``; the model's last slot per token is the shared expert'
 Every launch size follows from the shapes (blocks past ``num_blocks`` exit at once), so the
 whole op is free of host syncs and capturable in a CUDA graph. A table entry with ``BLOCK_M``
 1 takes the small-batch path of ``triton_slot_moe`` instead: one program per slot, no sort.
+There the ``fused_moe_add_rms_norm`` op's down also sums the slots, adds the residual and
+computes the norm (``triton_slot_moe_norm``); elsewhere that op is this one, then the
+``add_rms_norm`` kernel.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
+from qllm_kernels_linear.triton_norm import add_rms_norm
 from qllm_kernels_moe.align import SortedSlots
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
 from qllm_kernels_moe.triton_align import moe_align_triton
 from qllm_kernels_moe.triton_slot_moe import slot_down, slot_gate_up, slot_moe
+from qllm_kernels_moe.triton_slot_moe_norm import slot_down_add_norm
 
 
 @triton.jit
@@ -162,20 +167,11 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     output times its routing weight, ``[T, k, H]`` in ``x.dtype``. ``config`` defaults to the
     table entry for ``T``."""
     tokens, hidden_size = x.shape
-    num_experts, gate_up_rows, _ = w13.shape
     top_k = topk_ids.shape[1]
-    if (w13.shape[2] != hidden_size or w2.shape != (num_experts, hidden_size, gate_up_rows // 2)
-            or shared_w13.shape != w13.shape[1:] or shared_w2.shape != w2.shape[1:]
-            or any(w.stride()[-2:] != (w.shape[-1], 1) for w in (w13, w2, shared_w13, shared_w2))):
-        raise ValueError(
-            f"unsupported expert weights: w13 {tuple(w13.shape)} strides {w13.stride()}, w2 "
-            f"{tuple(w2.shape)} strides {w2.stride()}, shared {tuple(shared_w13.shape)} and "
-            f"{tuple(shared_w2.shape)} for x {tuple(x.shape)}; expected [E, 2I, H] and "
-            "[E, H, I] with contiguous rows, and one expert's [2I, H] and [H, I]")
+    _check_weights(x, w13, w2, shared_w13, shared_w2)
     if tokens == 0:
         return x.new_zeros(tokens, top_k, hidden_size)
-    if config is None:
-        config = get_config(tokens, num_experts, gate_up_rows, hidden_size, top_k)
+    config = config or _table_config(x, w13, top_k)
     x = x if x.stride(-1) == 1 else x.contiguous()
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
     if config.BLOCK_M == 1:
@@ -186,9 +182,57 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             hidden = slot_gate_up(x, w13, shared_w13, topk_ids, config.up)  # [S, I]
             expert_out = slot_down(hidden, w2, shared_w2, topk_weights, topk_ids, config.down)
         return expert_out.view(tokens, top_k, hidden_size)
-    sorted_slots = moe_align_triton(topk_ids, num_experts + 1, config.BLOCK_M)
+    sorted_slots = moe_align_triton(topk_ids, w13.shape[0] + 1, config.BLOCK_M)
     hidden = gate_up(x, w13, shared_w13, sorted_slots, top_k, config.BLOCK_M,
                      config.up)  # [S, I]
     expert_out = down(hidden, w2, shared_w2, topk_weights, sorted_slots,
                       config.BLOCK_M, config.down)  # [S, H]
     return expert_out.view(tokens, top_k, hidden_size)
+
+
+def fused_moe_add_rms_norm_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                                  shared_w13: torch.Tensor, shared_w2: torch.Tensor,
+                                  residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                  zero_centered: bool, config: MoeConfig | None = None
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_moe_triton``'s slots summed with ``residual [T, H]``, then RMSNorm (weight
+    ``norm_weight [H]``) -> ``(normed, summed)``, ``[T, H]`` each, the contract of the
+    plain-torch ``fused_moe_add_rms_norm``. On the slot path of two kernels (``BLOCK_M`` 1, not
+    persistent) the down computes the add and the norm too (``triton_slot_moe_norm``);
+    elsewhere ``fused_moe_triton``, then qllm-kernels-linear's ``add_rms_norm`` kernel."""
+    _check_weights(x, w13, w2, shared_w13, shared_w2)
+    tokens, top_k = topk_ids.shape
+    config = config or _table_config(x, w13, top_k)
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    if tokens and config.BLOCK_M == 1 and not config.persistent_programs_per_sm:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
+        hidden = slot_gate_up(x, w13, shared_w13, topk_ids, config.up)  # [S, I]
+        return slot_down_add_norm(hidden, w2, shared_w2, topk_weights, topk_ids, residual,
+                                  norm_weight, eps, zero_centered, config.down)
+    slots = fused_moe_triton(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2,
+                             config)  # [T, k, H]
+    return add_rms_norm(slots, residual, norm_weight, eps, zero_centered)
+
+
+def _check_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   shared_w13: torch.Tensor, shared_w2: torch.Tensor) -> None:
+    """Raises ``ValueError`` unless the weights are the kernels' ``[E, 2I, H]`` and ``[E, H,
+    I]`` stacks (and the shared expert's one of each) for ``x [T, H]``, rows contiguous."""
+    num_experts, gate_up_rows, _ = w13.shape
+    hidden_size = x.shape[1]
+    if (w13.shape[2] != hidden_size or w2.shape != (num_experts, hidden_size, gate_up_rows // 2)
+            or shared_w13.shape != w13.shape[1:] or shared_w2.shape != w2.shape[1:]
+            or any(w.stride()[-2:] != (w.shape[-1], 1) for w in (w13, w2, shared_w13, shared_w2))):
+        raise ValueError(
+            f"unsupported expert weights: w13 {tuple(w13.shape)} strides {w13.stride()}, w2 "
+            f"{tuple(w2.shape)} strides {w2.stride()}, shared {tuple(shared_w13.shape)} and "
+            f"{tuple(shared_w2.shape)} for x {tuple(x.shape)}; expected [E, 2I, H] and "
+            "[E, H, I] with contiguous rows, and one expert's [2I, H] and [H, I]")
+
+
+def _table_config(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> MoeConfig:
+    """The table entry for ``x``'s token count through ``w13 [E, 2I, H]``."""
+    num_experts, gate_up_rows, hidden_size = w13.shape
+    return get_config(x.shape[0], num_experts, gate_up_rows, hidden_size, top_k)

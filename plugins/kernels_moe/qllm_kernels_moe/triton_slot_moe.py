@@ -59,7 +59,7 @@ from qllm_kernels_moe.configs import GemmConfig, MoeConfig
 
 
 @triton.jit
-def _expert_rows(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert, offsets):
+def expert_rows(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert, offsets):
     """Pointers to ``offsets`` in expert ``expert``'s weights (``num_experts``: the shared
     expert's, ``shared_w``)."""
     shared = expert == num_experts
@@ -79,7 +79,7 @@ def _weight_tiles(w_ptr, shared_w_ptr, expert, first_row, num_experts, N, K, str
     row_mask = rows < N
     ks = tl.arange(0, BLOCK_K)
     first = row_mask[:, None] & (ks < K)[None, :]  # [BN, BK]
-    w_ptrs = _expert_rows(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert,
+    w_ptrs = expert_rows(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert,
                           rows[:, None] * stride_w_row + ks[None, :])
     tile = tl.load(w_ptrs, mask=first, other=0.0)
     up_tile = tile
@@ -121,7 +121,7 @@ def _first_weight_tiles(w_ptr, shared_w_ptr, ids_ptr, slot, first_row, num_exper
         pdl_wait(USE_PDL)  # the ids are the router's output
         pdl_release(USE_PDL)  # after the wait: the next kernel reads the ids before its own
         expert = tl.load(ids_ptr + slot)
-        w_ptrs = _expert_rows(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert,
+        w_ptrs = expert_rows(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert,
                               offsets)
         late = first & ~(guess & (expert == num_experts))
         tile = tl.load(w_ptrs, mask=late, other=early)
@@ -245,11 +245,11 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr, num_ex
 
 
 @triton.jit
-def _down_rows(hidden_ptr, routing_weights_ptr, out_ptr, slot, rows, row_mask, ks, w_ptrs, w,
-               N, K, BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr):
-    """``out[slot, rows] = round(routing_weights[slot] * (hidden[slot] . w rows))`` from the
-    rows' first ``BLOCK_K`` columns already loaded (``w [BN, BK]``, ``w_ptrs`` at them), the
-    rest read here."""
+def down_dots(hidden_ptr, routing_weights_ptr, slot, row_mask, ks, w_ptrs, w, K,
+               BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr):
+    """``routing_weights[slot] * (hidden[slot] . w rows)``, ``[BN]`` in fp32, from the rows'
+    first ``BLOCK_K`` columns already loaded (``w [BN, BK]``, ``w_ptrs`` at them), the rest
+    read here."""
     h_ptrs = hidden_ptr + slot * K + ks  # [BK]
     h = tl.load(h_ptrs, mask=ks < K, other=0.0).to(tl.float32)[None, :]  # [1, BK]
     if WHOLE_K:  # reduced at once: no [BN, BK] fp32 accumulator (half the registers), so
@@ -265,7 +265,16 @@ def _down_rows(hidden_ptr, routing_weights_ptr, out_ptr, slot, rows, row_mask, k
             w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             acc += w.to(tl.float32) * h
         dots = tl.sum(acc, axis=1)
-    out = dots * tl.load(routing_weights_ptr + slot).to(tl.float32)
+    return dots * tl.load(routing_weights_ptr + slot).to(tl.float32)
+
+
+@triton.jit
+def _down_rows(hidden_ptr, routing_weights_ptr, out_ptr, slot, rows, row_mask, ks, w_ptrs, w,
+               N, K, BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr):
+    """``out[slot, rows] = round(routing_weights[slot] * (hidden[slot] . w rows))`` as
+    ``down_dots``."""
+    out = down_dots(hidden_ptr, routing_weights_ptr, slot, row_mask, ks, w_ptrs, w, K,
+                     BLOCK_K, WHOLE_K)
     tl.store(out_ptr + slot * N + rows, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
@@ -376,17 +385,18 @@ _counters: dict[torch.device, torch.Tensor] = {}
 _resident: dict[tuple, int] = {}  # launch key -> programs one multiprocessor holds
 
 
-def _slot_counters(device: torch.device, num_slots: int) -> torch.Tensor:
-    """The persistent kernel's counters on ``device``, int32, at least ``num_slots + 1`` (one
-    per slot, then the programs done): zero between launches (each launch's last program
-    zeroes them), grown (doubled) outside CUDA graph captures only."""
+def slot_counters(device: torch.device, count: int) -> torch.Tensor:
+    """The slot kernels' counters on ``device``, int32, more than ``count`` of them (the
+    persistent kernel's: one per slot, then the programs done; ``triton_slot_moe_norm``'s: one
+    per token): zero between launches (each launch's last program zeroes those it used), grown
+    (doubled) outside CUDA graph captures only."""
     counters = _counters.get(device)
-    if counters is None or counters.numel() <= num_slots:
+    if counters is None or counters.numel() <= count:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"the persistent slot MoE needs counters for {num_slots} slots "
-                               f"before this CUDA graph capture: run the op at this token "
-                               f"count once outside it first")
-        size = max(256, 2 * (num_slots + 1))
+            raise RuntimeError(f"the slot MoE kernels need {count + 1} counters before this "
+                               f"CUDA graph capture: run the op at this token count once "
+                               f"outside it first")
+        size = max(256, 2 * (count + 1))
         counters = _counters[device] = torch.zeros(size, dtype=torch.int32, device=device)
     return counters
 
@@ -419,7 +429,7 @@ def slot_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, shared_w13: t
     out = x.new_empty(num_slots, hidden_size)
     up, down = config.up, config.down
     args = (x, w13, shared_w13, w2, shared_w2, topk_ids, topk_weights, hidden, out,
-            _slot_counters(x.device, num_slots), w13.shape[0], tokens, inter, hidden_size,
+            slot_counters(x.device, num_slots), w13.shape[0], tokens, inter, hidden_size,
             x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1))
     kwargs = dict(TOP_K=top_k, UP_BLOCK_N=up.BLOCK_N, UP_BLOCK_K=up.BLOCK_K,
                   UP_WHOLE_K=up.BLOCK_K >= hidden_size, DOWN_BLOCK_N=down.BLOCK_N,

@@ -102,9 +102,36 @@ def check_parity(inputs: MoeInputs, config: MoeConfig | None = None) -> None:
     _assert_close(out, _reference(inputs), inputs.x.dtype)
 
 
+def norm_inputs(inputs: MoeInputs, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual ``[T, H]`` and a zero-centred norm weight ``[H]`` for ``inputs``."""
+    gen = torch.Generator(device=inputs.x.device).manual_seed(seed)
+    residual = torch.randn(inputs.x.shape, generator=gen, device=inputs.x.device)
+    weight = torch.randn(inputs.x.shape[1], generator=gen, device=inputs.x.device) * 0.2
+    return residual.to(inputs.x.dtype), weight.to(inputs.x.dtype)
+
+
+def check_add_norm_parity(inputs: MoeInputs, config: MoeConfig | None = None) -> None:
+    """``fused_moe_add_rms_norm`` through the custom op (table config) or the launcher with a
+    forced config, against the plain-torch op in fp32 on the same (rounded) inputs."""
+    from qllm_kernels_moe.triton_moe import fused_moe_add_rms_norm_triton
+
+    residual, weight = norm_inputs(inputs)
+    args = (*inputs, residual, weight, 1e-6, True)
+    out = (ops.fused_moe_add_rms_norm(*args) if config is None
+           else fused_moe_add_rms_norm_triton(*args, config=config))
+    expected = reference.fused_moe_add_rms_norm(
+        *(t if t.dtype == torch.int64 else t.float() for t in (*inputs, residual, weight)),
+        1e-6, True)
+    for got, want in zip(out, expected, strict=True):
+        _assert_close(got, want, inputs.x.dtype)
+
+
 def opcheck_op(device: str, dtype: torch.dtype) -> None:
     """``torch.library.opcheck`` (schema, fake tensor, AOT dispatch) on the custom ops."""
-    torch.library.opcheck(ops.fused_moe, tuple(moe_inputs(9, 8, 32, 16, 2, dtype, device)))
+    inputs = moe_inputs(9, 8, 32, 16, 2, dtype, device)
+    torch.library.opcheck(ops.fused_moe, tuple(inputs))
+    torch.library.opcheck(ops.fused_moe_add_rms_norm,
+                          (*inputs, *norm_inputs(inputs), 1e-6, True))
     torch.library.opcheck(ops.moe_router, (router_logits(9, 16, dtype, device), 4, True))
 
 
@@ -204,7 +231,7 @@ def test_persistent_slot_moe_replayed(per_sm):
     equals the same kernel run eagerly (all its down tiles waited for their slots), and leaves
     its counters zero for the next."""
     from qllm_kernels_moe.triton_moe import fused_moe_triton
-    from qllm_kernels_moe.triton_slot_moe import _slot_counters
+    from qllm_kernels_moe.triton_slot_moe import slot_counters
 
     experts, top_k, hidden, inter = GPU_SHAPES["35b-a3b"]
     config = MoeConfig(1, GemmConfig(1, 2048, num_warps=4, num_stages=1),
@@ -221,7 +248,42 @@ def test_persistent_slot_moe_replayed(per_sm):
             getattr(inputs, name).copy_(getattr(new, name))
         graph.replay()
         assert torch.equal(out, fused_moe_triton(*inputs, config=config)), f"replay {seed}"
-    assert not _slot_counters(inputs.x.device, 0).any()
+    assert not slot_counters(inputs.x.device, 0).any()
+
+
+@cuda
+@pytest.mark.parametrize("tokens", [1, 4, 64])
+def test_add_norm_parity(tokens):
+    """``fused_moe_add_rms_norm`` at Qwen3.5-35B-A3B's shape: the slot path's down with the
+    add and the norm (1 and 4 tokens), the sorted path then the ``add_rms_norm`` kernel (64)."""
+    experts, top_k, hidden, inter = GPU_SHAPES["35b-a3b"]
+    check_add_norm_parity(moe_inputs(tokens, experts, hidden, inter, top_k, device="cuda"))
+
+
+@cuda
+def test_add_norm_replayed():
+    """The slot down with the add and the norm (a token's programs counting themselves done,
+    its last normalising the row) at one token, captured once and replayed with new routing
+    and residuals: every replay equals the op run eagerly and leaves the counters zero."""
+    from qllm_kernels_moe.triton_slot_moe import slot_counters
+
+    experts, top_k, hidden, inter = GPU_SHAPES["35b-a3b"]
+    inputs = moe_inputs(1, experts, hidden, inter, top_k, device="cuda")
+    residual, weight = norm_inputs(inputs)
+    args = (*inputs, residual, weight, 1e-6, True)
+    ops.fused_moe_add_rms_norm(*args)  # compiles, creates the counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        normed, summed = ops.fused_moe_add_rms_norm(*args)
+    for seed in range(1, 21):
+        new = moe_inputs(1, experts, hidden, inter, top_k, device="cuda", seed=seed)
+        for name in ("x", "topk_weights", "topk_ids"):
+            getattr(inputs, name).copy_(getattr(new, name))
+        residual.copy_(norm_inputs(new, seed)[0])
+        graph.replay()
+        eager = ops.fused_moe_add_rms_norm(*args)
+        assert torch.equal(normed, eager[0]) and torch.equal(summed, eager[1]), f"replay {seed}"
+    assert not slot_counters(inputs.x.device, 0).any()
 
 
 @cuda
@@ -237,11 +299,13 @@ def test_compiled_decode_matches_eager():
 
 
 @cuda
-@pytest.mark.parametrize("step", ["router", "fused_moe", "router+fused_moe"])
+@pytest.mark.parametrize("step", ["router", "fused_moe", "router+fused_moe",
+                                  "fused_moe_add_rms_norm"])
 def test_pdl_decode_in_cuda_graph(step, monkeypatch):
     """With ``QLLM_PDL`` on, at one token of Qwen3.5-35B-A3B (the slot path): the router, the
-    experts (gate-up then down), and the router feeding the experts, eagerly and in a CUDA
-    graph replayed 100 times, give the bits of PDL off."""
+    experts (gate-up then down), the router feeding the experts, and the experts with the add
+    and norm after them, eagerly and in a CUDA graph replayed 100 times, give the bits of PDL
+    off."""
     require_pdl_gpu()
     experts, top_k, hidden, inter = GPU_SHAPES["35b-a3b"]
     inputs = moe_inputs(1, experts, hidden, inter, top_k, device="cuda")
@@ -252,7 +316,9 @@ def test_pdl_decode_in_cuda_graph(step, monkeypatch):
         return ops.fused_moe(*inputs._replace(topk_weights=weights, topk_ids=ids))
 
     steps = {"router": lambda: ops.moe_router(logits, top_k, True),
-             "fused_moe": lambda: ops.fused_moe(*inputs), "router+fused_moe": routed}
+             "fused_moe": lambda: ops.fused_moe(*inputs), "router+fused_moe": routed,
+             "fused_moe_add_rms_norm": lambda: ops.fused_moe_add_rms_norm(
+                 *inputs, *norm_inputs(inputs), 1e-6, True)}
     assert_graph_bits_equal(steps[step], monkeypatch)
 
 
@@ -421,9 +487,9 @@ def _meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 
 def _pdl_launch(op: str):
     """The launch of the router or of the experts (the slot path: gate-up, then down, or
-    ``fused_moe-persistent``, both in one kernel) at one token of Qwen3.5-35B-A3B, on ``meta``
-    tensors."""
-    from qllm_kernels_moe.triton_moe import fused_moe_triton
+    ``fused_moe-persistent``, both in one kernel; ``fused_moe_add_rms_norm``, the down with the
+    add and the norm) at one token of Qwen3.5-35B-A3B, on ``meta`` tensors."""
+    from qllm_kernels_moe.triton_moe import fused_moe_add_rms_norm_triton, fused_moe_triton
     from qllm_kernels_moe.triton_router import moe_router_triton
 
     experts, top_k, hidden, inter = GPU_SHAPES["35b-a3b"]
@@ -435,17 +501,21 @@ def _pdl_launch(op: str):
                        _meta(hidden, inter))
     config = MoeConfig(1, GemmConfig(1, 2048, num_stages=1), GemmConfig(4, 512), 8) \
         if op == "fused_moe-persistent" else None
+    if op == "fused_moe_add_rms_norm":
+        return lambda: fused_moe_add_rms_norm_triton(*inputs, _meta(1, hidden), _meta(hidden),
+                                                     1e-6, True)
     return lambda: fused_moe_triton(*inputs, config=config)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("op", ["router", "fused_moe", "fused_moe-persistent"])
+@pytest.mark.parametrize("op", ["router", "fused_moe", "fused_moe-persistent",
+                                "fused_moe_add_rms_norm"])
 def test_pdl_sass(op, monkeypatch):
     """The router's kernel and the slot path's two, compiled for sm_90 as launched: with PDL
     each waits before any store, the router at entry, the gate-up after reading the shared
     expert's first tile, and it lets the down launch only after its wait (the persistent
-    kernel, as the gate-up); the down reads its ids and weights first
-    (``qllm.testing.pdl.assert_pdl_sass``); without, no grid-dependency-control
+    kernel, as the gate-up); the down (with the add and norm too) reads its ids and weights
+    first (``qllm.testing.pdl.assert_pdl_sass``); without, no grid-dependency-control
     instruction."""
     assert_pdl_sass(_pdl_launch(op), monkeypatch, reads_before_wait=op != "router",
                     releases_after_wait={"_slot_gate_up_kernel", "_slot_moe_kernel"})
@@ -501,6 +571,23 @@ def test_interpreted_slot_path_shared_expert_not_last(case, config):
     inputs = inputs._replace(topk_weights=inputs.topk_weights[:, order].contiguous(),
                              topk_ids=inputs.topk_ids[:, order].contiguous())
     check_parity(inputs, {**TINY_CONFIGS, **LOOPED_CONFIGS}[config])
+
+
+@interpreted
+@pytest.mark.parametrize("config,dtype", [
+    pytest.param("m1", torch.bfloat16, id="m1-bf16"),
+    pytest.param("m1-whole-k", torch.bfloat16, id="m1-whole-k-bf16"),
+    pytest.param("m1-whole-k", torch.float32, id="m1-whole-k-fp32"),
+    pytest.param("m16", torch.float32, id="m16-fp32")])
+@pytest.mark.parametrize("case", LOOPED_CASES.values(), ids=LOOPED_CASES.keys())
+def test_interpreted_add_norm(case, config, dtype):
+    """``fused_moe_add_rms_norm``: on the slot path the down sums each token's slots with the
+    residual and its last program normalises the row (K in tiles, or whole); on the sorted
+    path (``m16``, fp32: the interpreter's ``tl.dot`` reads bf16 as integers) the experts,
+    then the ``add_rms_norm`` kernel."""
+    tokens, experts, top_k, hidden, inter, skew = case
+    check_add_norm_parity(moe_inputs(tokens, experts, hidden, inter, top_k, dtype, skew=skew),
+                          TINY_CONFIGS[config])
 
 
 @interpreted
