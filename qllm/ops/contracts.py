@@ -52,6 +52,8 @@ CORE_OPS: tuple[OpContract, ...] = (
                "the depthwise causal conv + SiLU over packed new tokens, carrying the state"),
     OpContract("causal_conv1d_update", gdn.causal_conv1d_update,
                "one token per sequence of the causal conv + SiLU (graph-capturable)"),
+    OpContract("in_proj_conv1d_update", gdn.in_proj_conv1d_update,
+               "a GDN layer's input projection, then causal_conv1d_update of its conv channels"),
     OpContract("gdn_prefill", gdn.gdn_prefill,
                "the chunked gated delta rule over packed new tokens, carrying the state"),
     OpContract("gdn_decode", gdn.gdn_decode,
