@@ -7,9 +7,10 @@ boundary), for a few KB of work. The projection is qllm-kernels-linear's GEMV (o
 ``BLOCK_N`` output features, all of K; ``triton_gemv.gemv_tile``), and the conv is depthwise:
 each of its channels is one output feature of the projection. So each GEMV program applies the
 conv to the features it owns among the first ``C`` (the ``[q | k | v]`` channels), as
-``triton_conv``'s update does: the sequence's carried taps (read before the PDL wait, with the
-conv weights), the projected value rounded to the output dtype as the new input, SiLU, and the
-slot shifted in place; a channel's taps are read and written by the one thread that owns it.
+``triton_conv``'s update does: the sequence's carried taps (read after the GEMV's PDL wait,
+which keeps the GEMV's registers), the projected value rounded to the output dtype as the new
+input, SiLU, and the slot shifted in place; a channel's taps are read and written by the one
+thread that owns it.
 The other features (``z``, ``b``, ``a``) are stored as projected.
 
 Served where the GEMV serves the rows (``qllm_kernels_linear.ops.takes_gemv``: decode at a
@@ -41,23 +42,25 @@ def _in_proj_conv_kernel(x_ptr, w_ptr, conv_w_ptr, state_ptr, slots_ptr, has_sta
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]: output features
     rows = offs_m < M
     channels = offs_n < C  # [BN]: the conv's
+    projected = gemv_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_xk, stride_wn, offs_m,
+                          offs_n, BLOCK_M, BLOCK_N, BLOCK_K, WHOLE_K, NUM_STAGES,
+                          USE_PDL).to(out_ptr.dtype.element_ty)  # [BM, BN], the op's rounding
+    # After the GEMV (its PDL wait): the conv's reads. Before it they would hold registers
+    # through the weight tile's load: 80 a thread at W3's in_proj (sm_90, Triton 3.7) instead
+    # of the GEMV's own 64, so 6 programs a multiprocessor instead of 8 would hold their tiles
+    # when the wait ends.
     slots = tl.load(slots_ptr + offs_m, mask=rows, other=0)  # [BM]
     has_state = tl.load(has_state_ptr + offs_m, mask=rows, other=0) != 0
     conv = rows[:, None] & channels[None, :]  # [BM, BN]
     taps = (state_ptr + slots[:, None].to(tl.int64) * stride_s_slot
             + offs_n[None, :] * stride_s_chan)  # [BM, BN] at tap 0, the oldest
     weights = conv_w_ptr + offs_n * stride_cw_chan  # [BN]
-    # Before the GEMV's PDL wait: the taps and the conv weights (no kernel of a decode step
-    # writes them before this one), their part of the sum computed.
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for j in tl.static_range(KERNEL - 1):
         tap = tl.load(taps + j * stride_s_tap, mask=conv & has_state[:, None], other=0.0)
         weight = tl.load(weights + j * stride_cw_tap, mask=channels, other=0.0)
         acc += tap.to(tl.float32) * weight.to(tl.float32)[None, :]
     last_weight = tl.load(weights + (KERNEL - 1) * stride_cw_tap, mask=channels, other=0.0)
-    projected = gemv_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_xk, stride_wn, offs_m,
-                          offs_n, BLOCK_M, BLOCK_N, BLOCK_K, WHOLE_K, NUM_STAGES,
-                          USE_PDL).to(out_ptr.dtype.element_ty)  # [BM, BN], the op's rounding
     acc += projected.to(tl.float32) * last_weight.to(tl.float32)[None, :]
     for j in tl.static_range(1, KERNEL - 1):  # shift left by one: tap j moves to j - 1
         tap = tl.load(taps + j * stride_s_tap, mask=conv & has_state[:, None], other=0.0)
