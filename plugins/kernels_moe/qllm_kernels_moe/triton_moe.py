@@ -34,7 +34,8 @@ from qllm_kernels_linear.triton_norm import add_rms_norm
 from qllm_kernels_moe.align import SortedSlots
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
 from qllm_kernels_moe.triton_align import moe_align_triton
-from qllm_kernels_moe.triton_slot_moe import slot_down, slot_gate_up, slot_moe
+from qllm_kernels_moe.triton_slot_moe import (slot_down, slot_gate_up, slot_moe,
+                                              slot_moe_add_norm)
 from qllm_kernels_moe.triton_slot_moe_norm import slot_down_add_norm
 
 
@@ -198,19 +199,24 @@ def fused_moe_add_rms_norm_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.
                                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fused_moe_triton``'s slots summed with ``residual [T, H]``, then RMSNorm (weight
     ``norm_weight [H]``) -> ``(normed, summed)``, ``[T, H]`` each, the contract of the
-    plain-torch ``fused_moe_add_rms_norm``. On the slot path of two kernels (``BLOCK_M`` 1, not
-    persistent) the down computes the add and the norm too (``triton_slot_moe_norm``);
-    elsewhere ``fused_moe_triton``, then qllm-kernels-linear's ``add_rms_norm`` kernel."""
+    plain-torch ``fused_moe_add_rms_norm``. On the slot path (``BLOCK_M`` 1) the down computes
+    the add and the norm too (``triton_slot_moe_norm``), or the persistent kernel's last
+    program; elsewhere ``fused_moe_triton``, then qllm-kernels-linear's ``add_rms_norm``
+    kernel."""
     _check_weights(x, w13, w2, shared_w13, shared_w2)
     tokens, top_k = topk_ids.shape
     config = config or _table_config(x, w13, top_k)
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
-    if tokens and config.BLOCK_M == 1 and not config.persistent_programs_per_sm:
+    if tokens and config.BLOCK_M == 1:
         x = x if x.stride(-1) == 1 else x.contiguous()
         topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
+        norm = (residual, norm_weight, eps, zero_centered)
+        if config.persistent_programs_per_sm:
+            return slot_moe_add_norm(x, w13, w2, shared_w13, shared_w2, topk_weights, topk_ids,
+                                     *norm, config)
         hidden = slot_gate_up(x, w13, shared_w13, topk_ids, config.up)  # [S, I]
-        return slot_down_add_norm(hidden, w2, shared_w2, topk_weights, topk_ids, residual,
-                                  norm_weight, eps, zero_centered, config.down)
+        return slot_down_add_norm(hidden, w2, shared_w2, topk_weights, topk_ids, *norm,
+                                  config.down)
     slots = fused_moe_triton(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2,
                              config)  # [T, k, H]
     return add_rms_norm(slots, residual, norm_weight, eps, zero_centered)

@@ -20,7 +20,9 @@ entry with ``BLOCK_M == 1``) with ``x [T, H]``, ``topk_ids [T, k]`` (``S = T * k
    after the other: 10.7 us per layer at W3's one token, 1.65 TB/s.)
 
 Or, with the config's ``persistent_programs_per_sm``, both in one persistent kernel
-(``slot_moe``): every program resident at once, each takes gate-up tiles, then down tiles, in
+(``slot_moe``; ``slot_moe_add_norm``: its last program also sums each token's slots with the
+residual and applies the RMSNorm after the block, as ``triton_slot_moe_norm`` does for the
+two kernels): every program resident at once, each takes gate-up tiles, then down tiles, in
 one round-robin; a down tile reads its weights, then waits for its slot's gate-up tiles (a
 counter per slot, release / acquire atomics), so the down's weights stream while the gate-up's
 last tiles run. Two kernels cannot do that: the down's programs launch only once every
@@ -55,6 +57,7 @@ import triton.language as tl
 
 from qllm.plugins.devices import multiprocessors, resident_programs_per_sm
 from qllm.plugins.pdl import pdl_arguments, pdl_release, pdl_wait
+from qllm_kernels_linear.triton_norm import rms_normed
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig
 
 
@@ -295,6 +298,29 @@ def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weights_
                N, K, BLOCK_K, WHOLE_K)
 
 
+@triton.jit
+def _slots_add_norm(out_ptr, residual_ptr, norm_weight_ptr, normed_ptr, summed_ptr, eps,
+                    tokens, H, stride_residual, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                    ZERO_CENTERED: tl.constexpr):
+    """Per token ``t``: its slots' outputs ``out[t * TOP_K + j]`` (other programs' stores,
+    read past the L1 cache) summed in slot order in fp32 with ``residual[t]``, rounded ->
+    ``summed[t]``, and its RMSNorm -> ``normed[t]``, as the ``add_rms_norm`` op computes them
+    (``triton_norm``'s casts)."""
+    dims = tl.arange(0, BLOCK_D)
+    mask = dims < H
+    weight = tl.load(norm_weight_ptr + dims, mask=mask, other=0.0).to(tl.float32)
+    for token in range(tokens):
+        branch = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            branch += tl.load(out_ptr + (token * TOP_K + j) * H + dims, mask=mask, other=0.0,
+                              cache_modifier=".cg").to(tl.float32)
+        residual = tl.load(residual_ptr + token * stride_residual + dims, mask=mask, other=0.0)
+        summed = (branch + residual.to(tl.float32)).to(summed_ptr.dtype.element_ty)
+        tl.store(summed_ptr + token * H + dims, summed, mask=mask)
+        tl.store(normed_ptr + token * H + dims,
+                 rms_normed(summed, weight, eps, H, ZERO_CENTERED), mask=mask)
+
+
 RESET_BLOCK = tl.constexpr(128)  # counters the persistent kernel zeroes per store
 
 
@@ -302,17 +328,21 @@ RESET_BLOCK = tl.constexpr(128)  # counters the persistent kernel zeroes per sto
 def _slot_moe_kernel(x_ptr, w13_ptr, shared_w13_ptr, w2_ptr, shared_w2_ptr, ids_ptr,
                      routing_weights_ptr, hidden_ptr, out_ptr, counters_ptr, num_experts, tokens,
                      I, H, stride_x_row, stride_w13_expert, stride_w13_row, stride_w2_expert,
-                     stride_w2_row, TOP_K: tl.constexpr, UP_BLOCK_N: tl.constexpr,
+                     stride_w2_row, residual_ptr, norm_weight_ptr, normed_ptr, summed_ptr, eps,
+                     stride_residual, TOP_K: tl.constexpr, UP_BLOCK_N: tl.constexpr,
                      UP_BLOCK_K: tl.constexpr, UP_WHOLE_K: tl.constexpr,
                      DOWN_BLOCK_N: tl.constexpr, DOWN_BLOCK_K: tl.constexpr,
-                     DOWN_WHOLE_K: tl.constexpr, USE_PDL: tl.constexpr):
+                     DOWN_WHOLE_K: tl.constexpr, ADD_NORM: tl.constexpr,
+                     BLOCK_D: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     """Both GEMMs in one persistent grid of ``G`` programs, every one resident at once (the
     launcher's bound): the gate-up's tiles (``_gate_up_tiles``, looped), then the down's, the
     tiles of both numbered as one round-robin sequence, so a program that runs out of gate-up
     tiles starts on the down's at once. A down tile reads its weights, then waits for its
     slot's gate-up tiles (``counters[slot]``), then reads the slot's ``hidden`` row. The last
     program to finish zeroes ``counters[:S + 1]`` (``counters[S]`` counts the programs done),
-    so every launch finds them zero."""
+    so every launch finds them zero; with ``ADD_NORM`` it first sums each token's slot
+    outputs with its residual row and normalises it (``_slots_add_norm``)."""
     _gate_up_tiles(x_ptr, w13_ptr, shared_w13_ptr, ids_ptr, hidden_ptr, counters_ptr,
                    num_experts, tokens, I, H, stride_x_row, stride_w13_expert, stride_w13_row,
                    TOP_K, UP_BLOCK_N, UP_BLOCK_K, UP_WHOLE_K, LOOPED=True, PERSISTENT=True,
@@ -333,8 +363,13 @@ def _slot_moe_kernel(x_ptr, w13_ptr, shared_w13_ptr, w2_ptr, shared_w2_ptr, ids_
         _await_slot(counters_ptr, slot, up_blocks)
         _down_rows(hidden_ptr, routing_weights_ptr, out_ptr, slot, rows, row_mask, ks, w_ptrs,
                    w, H, I, DOWN_BLOCK_K, DOWN_WHOLE_K)
+    if ADD_NORM:
+        tl.debug_barrier()  # every thread's down stores ordered before the count
     done = tl.atomic_add(counters_ptr + num_slots, 1, sem="acq_rel")
     if done == programs - 1:
+        if ADD_NORM:
+            _slots_add_norm(out_ptr, residual_ptr, norm_weight_ptr, normed_ptr, summed_ptr,
+                            eps, tokens, H, stride_residual, TOP_K, BLOCK_D, ZERO_CENTERED)
         for first in range(0, num_slots + 1, RESET_BLOCK):
             entries = first + tl.arange(0, RESET_BLOCK)
             tl.store(counters_ptr + entries, tl.zeros([RESET_BLOCK], tl.int32),
@@ -423,23 +458,55 @@ def slot_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, shared_w13: t
     ``topk_weights`` / ``topk_ids [T, k]`` contiguous -> ``expert_out [T * k, H]`` as
     ``slot_down``'s, with ``config.persistent_programs_per_sm`` programs per multiprocessor at
     most."""
+    out = x.new_empty(topk_ids.numel(), x.shape[1])
+    _launch_slot_moe(x, w13, w2, shared_w13, shared_w2, topk_weights, topk_ids, out, config)
+    return out
+
+
+def slot_moe_add_norm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      shared_w13: torch.Tensor, shared_w2: torch.Tensor,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      zero_centered: bool, config: MoeConfig
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``slot_moe``, its last program then summing each token's slots with ``residual [T, H]``
+    (unit last stride) and normalising the sum -> ``(normed, summed)``, ``[T, H]`` each, as
+    the ``fused_moe_add_rms_norm`` op."""
+    tokens, hidden_size = residual.shape
+    out = x.new_empty(topk_ids.numel(), hidden_size)  # the slots' outputs, read back
+    normed, summed = residual.new_empty(tokens, hidden_size), residual.new_empty(tokens,
+                                                                                 hidden_size)
+    _launch_slot_moe(x, w13, w2, shared_w13, shared_w2, topk_weights, topk_ids, out, config,
+                     (residual, norm_weight, normed, summed, eps, zero_centered))
+    return normed, summed
+
+
+def _launch_slot_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     shared_w13: torch.Tensor, shared_w2: torch.Tensor,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
+                     config: MoeConfig, add_norm: tuple | None = None) -> None:
+    """The persistent kernel's launch, writing the slots' outputs into ``out [T * k, H]``;
+    ``add_norm``: ``(residual, norm_weight, normed, summed, eps, zero_centered)`` of
+    ``slot_moe_add_norm``."""
     tokens, top_k = topk_ids.shape
     num_slots, inter, hidden_size = tokens * top_k, w2.shape[2], x.shape[1]
     hidden = x.new_empty(num_slots, inter)
-    out = x.new_empty(num_slots, hidden_size)
+    residual, norm_weight, normed, summed, eps, zero_centered = add_norm or (None,) * 4 + (
+        0.0, False)
     up, down = config.up, config.down
     args = (x, w13, shared_w13, w2, shared_w2, topk_ids, topk_weights, hidden, out,
             slot_counters(x.device, num_slots), w13.shape[0], tokens, inter, hidden_size,
-            x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1))
+            x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1), residual,
+            norm_weight, normed, summed, eps, 0 if residual is None else residual.stride(0))
     kwargs = dict(TOP_K=top_k, UP_BLOCK_N=up.BLOCK_N, UP_BLOCK_K=up.BLOCK_K,
                   UP_WHOLE_K=up.BLOCK_K >= hidden_size, DOWN_BLOCK_N=down.BLOCK_N,
                   DOWN_BLOCK_K=down.BLOCK_K, DOWN_WHOLE_K=down.BLOCK_K >= inter,
-                  num_warps=up.num_warps, num_stages=up.num_stages,
-                  **pdl_arguments(x.device, tokens))
+                  ADD_NORM=add_norm is not None, BLOCK_D=triton.next_power_of_2(hidden_size),
+                  ZERO_CENTERED=zero_centered, num_warps=up.num_warps,
+                  num_stages=up.num_stages, **pdl_arguments(x.device, tokens))
     launch_key = (x.device, x.dtype, tokens, tuple(kwargs.items()))
     up_tiles = num_slots * triton.cdiv(inter, up.BLOCK_N)
     programs = min(up_tiles, _persistent_programs(launch_key, x.device,
                                                   config.persistent_programs_per_sm, args,
                                                   kwargs))
     _slot_moe_kernel[(programs,)](*args, **kwargs)
-    return out

@@ -261,27 +261,36 @@ def test_add_norm_parity(tokens):
 
 
 @cuda
-def test_add_norm_replayed():
+@pytest.mark.parametrize("persistent", [False, True], ids=["two-kernels", "persistent"])
+def test_add_norm_replayed(persistent):
     """The slot down with the add and the norm (a token's programs counting themselves done,
-    its last normalising the row) at one token, captured once and replayed with new routing
-    and residuals: every replay equals the op run eagerly and leaves the counters zero."""
+    its last normalising the row), or the persistent kernel's last program doing both, at one
+    token, captured once and replayed with new routing and residuals: every replay equals the
+    op run eagerly and leaves the counters zero."""
+    from qllm_kernels_moe.triton_moe import fused_moe_add_rms_norm_triton
     from qllm_kernels_moe.triton_slot_moe import slot_counters
 
     experts, top_k, hidden, inter = GPU_SHAPES["35b-a3b"]
     inputs = moe_inputs(1, experts, hidden, inter, top_k, device="cuda")
     residual, weight = norm_inputs(inputs)
     args = (*inputs, residual, weight, 1e-6, True)
-    ops.fused_moe_add_rms_norm(*args)  # compiles, creates the counters
+    config = MoeConfig(1, GemmConfig(1, 2048, num_warps=4, num_stages=1),
+                       GemmConfig(4, 512), 8) if persistent else None
+
+    def op():
+        return fused_moe_add_rms_norm_triton(*args, config=config)
+
+    check_add_norm_parity(inputs, config)  # compiles, creates the counters
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        normed, summed = ops.fused_moe_add_rms_norm(*args)
+        normed, summed = op()
     for seed in range(1, 21):
         new = moe_inputs(1, experts, hidden, inter, top_k, device="cuda", seed=seed)
         for name in ("x", "topk_weights", "topk_ids"):
             getattr(inputs, name).copy_(getattr(new, name))
         residual.copy_(norm_inputs(new, seed)[0])
         graph.replay()
-        eager = ops.fused_moe_add_rms_norm(*args)
+        eager = op()
         assert torch.equal(normed, eager[0]) and torch.equal(summed, eager[1]), f"replay {seed}"
     assert not slot_counters(inputs.x.device, 0).any()
 
@@ -488,7 +497,8 @@ def _meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 def _pdl_launch(op: str):
     """The launch of the router or of the experts (the slot path: gate-up, then down, or
     ``fused_moe-persistent``, both in one kernel; ``fused_moe_add_rms_norm``, the down with the
-    add and the norm) at one token of Qwen3.5-35B-A3B, on ``meta`` tensors."""
+    add and the norm, or ``-persistent``, the one kernel with them) at one token of
+    Qwen3.5-35B-A3B, on ``meta`` tensors."""
     from qllm_kernels_moe.triton_moe import fused_moe_add_rms_norm_triton, fused_moe_triton
     from qllm_kernels_moe.triton_router import moe_router_triton
 
@@ -500,16 +510,16 @@ def _pdl_launch(op: str):
                        _meta(1, top_k + 1, dtype=torch.int64), _meta(2 * inter, hidden),
                        _meta(hidden, inter))
     config = MoeConfig(1, GemmConfig(1, 2048, num_stages=1), GemmConfig(4, 512), 8) \
-        if op == "fused_moe-persistent" else None
-    if op == "fused_moe_add_rms_norm":
+        if op.endswith("persistent") else None
+    if op.startswith("fused_moe_add_rms_norm"):
         return lambda: fused_moe_add_rms_norm_triton(*inputs, _meta(1, hidden), _meta(hidden),
-                                                     1e-6, True)
+                                                     1e-6, True, config=config)
     return lambda: fused_moe_triton(*inputs, config=config)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("op", ["router", "fused_moe", "fused_moe-persistent",
-                                "fused_moe_add_rms_norm"])
+                                "fused_moe_add_rms_norm", "fused_moe_add_rms_norm-persistent"])
 def test_pdl_sass(op, monkeypatch):
     """The router's kernel and the slot path's two, compiled for sm_90 as launched: with PDL
     each waits before any store, the router at entry, the gate-up after reading the shared
@@ -578,16 +588,19 @@ def test_interpreted_slot_path_shared_expert_not_last(case, config):
     pytest.param("m1", torch.bfloat16, id="m1-bf16"),
     pytest.param("m1-whole-k", torch.bfloat16, id="m1-whole-k-bf16"),
     pytest.param("m1-whole-k", torch.float32, id="m1-whole-k-fp32"),
+    pytest.param("m1-persistent", torch.float32, id="m1-persistent-fp32"),
+    pytest.param("m1-whole-k-persistent", torch.bfloat16, id="m1-whole-k-persistent-bf16"),
     pytest.param("m16", torch.float32, id="m16-fp32")])
 @pytest.mark.parametrize("case", LOOPED_CASES.values(), ids=LOOPED_CASES.keys())
 def test_interpreted_add_norm(case, config, dtype):
     """``fused_moe_add_rms_norm``: on the slot path the down sums each token's slots with the
-    residual and its last program normalises the row (K in tiles, or whole); on the sorted
-    path (``m16``, fp32: the interpreter's ``tl.dot`` reads bf16 as integers) the experts,
-    then the ``add_rms_norm`` kernel."""
+    residual and its last program normalises the row (K in tiles, or whole), or the persistent
+    kernel's last program sums and normalises every token's; on the sorted path (``m16``,
+    fp32: the interpreter's ``tl.dot`` reads bf16 as integers) the experts, then the
+    ``add_rms_norm`` kernel."""
     tokens, experts, top_k, hidden, inter, skew = case
     check_add_norm_parity(moe_inputs(tokens, experts, hidden, inter, top_k, dtype, skew=skew),
-                          TINY_CONFIGS[config])
+                          {**TINY_CONFIGS, **LOOPED_CONFIGS}[config])
 
 
 @interpreted
