@@ -416,7 +416,9 @@ def slot_down(hidden: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor,
     return out
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
+# device -> every counters buffer made there, the current one last: a grown buffer's
+# predecessor stays alive, since CUDA graphs captured before the growth keep its address
+_counters: dict[torch.device, list[torch.Tensor]] = {}
 _resident: dict[tuple, int] = {}  # launch key -> programs one multiprocessor holds
 
 
@@ -425,15 +427,15 @@ def slot_counters(device: torch.device, count: int) -> torch.Tensor:
     persistent kernel's: one per slot, then the programs done; ``triton_slot_moe_norm``'s: one
     per token): zero between launches (each launch's last program zeroes those it used), grown
     (doubled) outside CUDA graph captures only."""
-    counters = _counters.get(device)
-    if counters is None or counters.numel() <= count:
+    buffers = _counters.setdefault(device, [])
+    if not buffers or buffers[-1].numel() <= count:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"the slot MoE kernels need {count + 1} counters before this "
                                f"CUDA graph capture: run the op at this token count once "
                                f"outside it first")
         size = max(256, 2 * (count + 1))
-        counters = _counters[device] = torch.zeros(size, dtype=torch.int32, device=device)
-    return counters
+        buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 def _persistent_programs(launch_key: tuple, device: torch.device, per_sm: int, args: tuple,

@@ -424,6 +424,19 @@ def test_max_padded_slots_is_reached():
     assert max_padded_slots(2, 256, 16) == 32  # fewer slots than experts
 
 
+def test_slot_counters_grow_keeping_the_old_buffer():
+    """The slot kernels' counters grow (doubled) when a launch needs more, and the buffer
+    before stays alive: CUDA graphs captured before the growth still point at it."""
+    from qllm_kernels_moe.triton_slot_moe import _counters, slot_counters
+
+    device = torch.device("meta")  # a device of its own, away from the other tests' buffers
+    first = slot_counters(device, 3)
+    assert first.numel() == 256 and slot_counters(device, 255) is first
+    grown = slot_counters(device, 256)
+    assert grown.numel() == 514 and grown is not first
+    assert _counters[device][0] is first and slot_counters(device, 9) is grown
+
+
 def test_config_table():
     table = load_table(256, 1024, 2048)
     assert table is not None and list(table) == sorted(table)
