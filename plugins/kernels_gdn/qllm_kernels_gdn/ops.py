@@ -38,7 +38,8 @@ def in_proj_conv1d_update_op(x: torch.Tensor, weight: torch.Tensor, conv_weight:
     """The input projection ``x [B, H] @ weight [N, H]^T``, then conv + SiLU of its first ``C``
     features (``conv_weight [C, K]``) -> ``[B, N]``; shifts the slots. One kernel where the
     GEMV serves the rows (``triton_in_proj_conv``), else ``F.linear`` then
-    ``conv1d_update``'s kernel."""
+    ``conv1d_update``'s kernel over the projection's channels in place (no copy of the
+    rest)."""
     from qllm_kernels_linear.ops import takes_gemv
 
     if takes_gemv(x, weight, None):
@@ -48,9 +49,9 @@ def in_proj_conv1d_update_op(x: torch.Tensor, weight: torch.Tensor, conv_weight:
     from qllm_kernels_gdn.triton_conv import conv1d_update as conv_launch
 
     projected = F.linear(x, weight)  # [B, N]
-    channels = conv_weight.shape[0]
-    conv = conv_launch(projected[:, :channels], conv_weight, conv_state, slots, has_state)
-    return torch.cat([conv, projected[:, channels:]], dim=-1)
+    channels = projected[:, :conv_weight.shape[0]]
+    conv_launch(channels, conv_weight, conv_state, slots, has_state, out=channels)  # in place
+    return projected
 
 
 @in_proj_conv1d_update_op.register_fake

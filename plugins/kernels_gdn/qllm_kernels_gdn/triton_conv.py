@@ -149,12 +149,14 @@ def _conv_state_kernel(
 
 def conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                   slots: torch.Tensor, has_state: torch.Tensor, block_c: int = UPDATE_BLOCK_C,
-                  num_warps: int = 4) -> torch.Tensor:
+                  num_warps: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x [B, C]``, ``weight [C, K]``, ``conv_state [S + 1, C, K - 1]`` (shifted in place),
-    ``slots [B]``, ``has_state [B]`` -> ``[B, C]`` in ``x.dtype``. ``block_c`` (channels per
-    program) and ``num_warps`` override the launch configuration (for tuning)."""
+    ``slots [B]``, ``has_state [B]`` -> ``[B, C]`` in ``x.dtype``: a new tensor, or ``out``
+    (unit channel stride; ``x`` itself may be it: each element is read before it is written,
+    by the same thread). ``block_c`` (channels per program) and ``num_warps`` override the
+    launch configuration (for tuning)."""
     batch, channels = x.shape
-    out = x.new_empty(batch, channels)
+    out = x.new_empty(batch, channels) if out is None else out
     grid = (batch, triton.cdiv(channels, block_c))
     _conv_update_kernel[grid](
         x, weight, conv_state, out, slots, has_state,

@@ -242,6 +242,11 @@ def opcheck_ops(device: str, dtype: torch.dtype, with_fla: bool) -> None:
             (decode, ops.conv1d_update, _slot_fields)):
         x = conv_inputs(batch, geometry, TINY_SLOTS, dtype, torch.float32)
         torch.library.opcheck(conv, (x.x, x.weight, x.conv_state, *conv_args(batch)))
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(4, 16, generator=gen, device=device).to(dtype)  # decode's 3 + 1 rows
+    in_proj = torch.randn(geometry.conv_dim + 8, 16, generator=gen, device=device).to(dtype)
+    torch.library.opcheck(ops.in_proj_conv1d_update_op,
+                          (hidden, in_proj, x.weight, x.conv_state, *_slot_fields(decode)))
     gdn_ops = [ops.recurrent_prefill] + ([ops.fla_chunk_prefill] if with_fla else [])
     for op in gdn_ops:
         x = gdn_inputs(prefill, geometry, TINY_SLOTS, dtype, torch.float32)
