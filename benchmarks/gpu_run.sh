@@ -13,6 +13,8 @@
 #   linear (GEMV) plugin's tests);
 #   kernels: kernel micro-benchmarks; bench-moe-add-norm: the MoE with the add + norm after
 #   it, fused into its down against two ops, at 1 and 4 tokens (bench_moe.py --add-norm);
+#   bench-gdn-in-proj-conv: the GDN input projection then the conv update against the two in
+#   one kernel, at 1 and 4 rows (bench_gdn.py --in-proj-conv);
 #   bandwidth: the HBM read bandwidth reached by access
 #   pattern (bench_bandwidth.py: the rooflines' ceiling); bench-linear: the GEMV's
 #   launch-config sweep at the Qwen3.5-35B-A3B projection shapes (JSON lines, best config
@@ -236,6 +238,8 @@ for stage in "$@"; do
                  run bench_norms 100 python3 benchmarks/bench_norms.py ;;
         bench-moe-add-norm) TAIL=${TAIL:-14} run bench_moe_add_norm 200 python3 \
                                 plugins/kernels_moe/benchmarks/bench_moe.py --add-norm ;;
+        bench-gdn-in-proj-conv) TAIL=${TAIL:-6} run bench_gdn_in_proj_conv 150 python3 \
+                                    plugins/kernels_gdn/benchmarks/bench_gdn.py --in-proj-conv ;;
         bandwidth) TAIL=${TAIL:-30} run bench_bandwidth 200 python3 benchmarks/bench_bandwidth.py ;;
         bench-linear) TAIL=${TAIL:-12} run bench_linear_sweep 480 python3 \
                           plugins/kernels_linear/benchmarks/bench_linear.py --sweep ;;
