@@ -167,14 +167,20 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     and ``shared_w2 [H, I]``, ``topk_weights`` / ``topk_ids [T, k]`` -> each slot's expert
     output times its routing weight, ``[T, k, H]`` in ``x.dtype``. ``config`` defaults to the
     table entry for ``T``."""
+    _check_weights(x, w13, w2, shared_w13, shared_w2)
+    if x.shape[0] == 0:
+        return x.new_zeros(0, topk_ids.shape[1], x.shape[1])
+    return _fused_moe(*_kernel_layout(x, topk_weights, topk_ids), w13, w2, shared_w13,
+                      shared_w2, config or _table_config(x, w13, topk_ids.shape[1]))
+
+
+def _fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+               w13: torch.Tensor, w2: torch.Tensor, shared_w13: torch.Tensor,
+               shared_w2: torch.Tensor, config: MoeConfig) -> torch.Tensor:
+    """``fused_moe_triton`` for checked weights, at least one token, inputs in
+    ``_kernel_layout``."""
     tokens, hidden_size = x.shape
     top_k = topk_ids.shape[1]
-    _check_weights(x, w13, w2, shared_w13, shared_w2)
-    if tokens == 0:
-        return x.new_zeros(tokens, top_k, hidden_size)
-    config = config or _table_config(x, w13, top_k)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
     if config.BLOCK_M == 1:
         if config.persistent_programs_per_sm:
             expert_out = slot_moe(x, w13, w2, shared_w13, shared_w2, topk_weights, topk_ids,
@@ -204,22 +210,29 @@ def fused_moe_add_rms_norm_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.
     program; elsewhere ``fused_moe_triton``, then qllm-kernels-linear's ``add_rms_norm``
     kernel."""
     _check_weights(x, w13, w2, shared_w13, shared_w2)
-    tokens, top_k = topk_ids.shape
-    config = config or _table_config(x, w13, top_k)
+    if x.shape[0] == 0:
+        return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
+    config = config or _table_config(x, w13, topk_ids.shape[1])
+    x, topk_weights, topk_ids = _kernel_layout(x, topk_weights, topk_ids)
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
-    if tokens and config.BLOCK_M == 1:
-        x = x if x.stride(-1) == 1 else x.contiguous()
-        topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
-        norm = (residual, norm_weight, eps, zero_centered)
-        if config.persistent_programs_per_sm:
-            return slot_moe_add_norm(x, w13, w2, shared_w13, shared_w2, topk_weights, topk_ids,
-                                     *norm, config)
-        hidden = slot_gate_up(x, w13, shared_w13, topk_ids, config.up)  # [S, I]
-        return slot_down_add_norm(hidden, w2, shared_w2, topk_weights, topk_ids, *norm,
-                                  config.down)
-    slots = fused_moe_triton(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2,
-                             config)  # [T, k, H]
-    return add_rms_norm(slots, residual, norm_weight, eps, zero_centered)
+    norm = (residual, norm_weight, eps, zero_centered)
+    if config.BLOCK_M != 1:
+        slots = _fused_moe(x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2,
+                           config)  # [T, k, H]
+        return add_rms_norm(slots, *norm)
+    if config.persistent_programs_per_sm:
+        return slot_moe_add_norm(x, w13, w2, shared_w13, shared_w2, topk_weights, topk_ids,
+                                 *norm, config)
+    hidden = slot_gate_up(x, w13, shared_w13, topk_ids, config.up)  # [S, I]
+    return slot_down_add_norm(hidden, w2, shared_w2, topk_weights, topk_ids, *norm,
+                              config.down)
+
+
+def _kernel_layout(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` with a unit last stride and the routing contiguous, as the kernels read them."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return x, topk_weights.contiguous(), topk_ids.contiguous()
 
 
 def _check_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
