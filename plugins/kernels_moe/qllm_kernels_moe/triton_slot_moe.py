@@ -57,7 +57,7 @@ import triton.language as tl
 
 from qllm.plugins.devices import multiprocessors, resident_programs_per_sm
 from qllm.plugins.pdl import pdl_arguments, pdl_release, pdl_wait
-from qllm_kernels_linear.triton_norm import rms_normed
+from qllm_kernels_linear.triton_norm import add_rms_norm_row
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig
 
 
@@ -304,21 +304,15 @@ def _slots_add_norm(out_ptr, residual_ptr, norm_weight_ptr, normed_ptr, summed_p
                     ZERO_CENTERED: tl.constexpr):
     """Per token ``t``: its slots' outputs ``out[t * TOP_K + j]`` (other programs' stores,
     read past the L1 cache) summed in slot order in fp32 with ``residual[t]``, rounded ->
-    ``summed[t]``, and its RMSNorm -> ``normed[t]``, as the ``add_rms_norm`` op computes them
-    (``triton_norm``'s casts)."""
+    ``summed[t]``, and its RMSNorm -> ``normed[t]``, as the ``add_rms_norm`` op's kernel
+    computes a row (``triton_norm.add_rms_norm_row``)."""
     dims = tl.arange(0, BLOCK_D)
     mask = dims < H
     weight = tl.load(norm_weight_ptr + dims, mask=mask, other=0.0).to(tl.float32)
     for token in range(tokens):
-        branch = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            branch += tl.load(out_ptr + (token * TOP_K + j) * H + dims, mask=mask, other=0.0,
-                              cache_modifier=".cg").to(tl.float32)
-        residual = tl.load(residual_ptr + token * stride_residual + dims, mask=mask, other=0.0)
-        summed = (branch + residual.to(tl.float32)).to(summed_ptr.dtype.element_ty)
-        tl.store(summed_ptr + token * H + dims, summed, mask=mask)
-        tl.store(normed_ptr + token * H + dims,
-                 rms_normed(summed, weight, eps, H, ZERO_CENTERED), mask=mask)
+        add_rms_norm_row(out_ptr + token * TOP_K * H, H, residual_ptr + token * stride_residual,
+                         weight, normed_ptr + token * H, summed_ptr + token * H, eps, dims,
+                         mask, H, TOP_K, ZERO_CENTERED, PARTS_CACHE=".cg")
 
 
 RESET_BLOCK = tl.constexpr(128)  # counters the persistent kernel zeroes per store
