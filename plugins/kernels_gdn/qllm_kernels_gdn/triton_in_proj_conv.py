@@ -6,11 +6,11 @@ the recurrence (1.3 us a GDN layer on an H100's timeline, 2026-12-07, plus its k
 boundary), for a few KB of work. The projection is qllm-kernels-linear's GEMV (one program per
 ``BLOCK_N`` output features, all of K; ``triton_gemv.gemv_tile``), and the conv is depthwise:
 each of its channels is one output feature of the projection. So each GEMV program applies the
-conv to the features it owns among the first ``C`` (the ``[q | k | v]`` channels), as
-``triton_conv``'s update does: the sequence's carried taps (read after the GEMV's PDL wait,
-which keeps the GEMV's registers), the projected value rounded to the output dtype as the new
-input, SiLU, and the slot shifted in place; a channel's taps are read and written by the one
-thread that owns it.
+conv to the features it owns among the first ``C`` (the ``[q | k | v]`` channels) with
+``triton_conv``'s update's steps (``carried_taps_sum``, ``shift_in``): the sequence's carried
+taps (read after the GEMV's PDL wait, which keeps the GEMV's registers), the projected value
+rounded to the output dtype as the new input, SiLU, and the slot shifted in place; a channel's
+taps are read and written by the one thread that owns it.
 The other features (``z``, ``b``, ``a``) are stored as projected.
 
 Served where the GEMV serves the rows (``qllm_kernels_linear.ops.takes_gemv``: decode at a
@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from qllm.plugins.pdl import launch_options, use_pdl
+from qllm_kernels_gdn.triton_conv import carried_taps_sum, shift_in
 from qllm_kernels_linear.configs import block_m
 from qllm_kernels_linear.triton_gemv import gemv_config, gemv_tile
 
@@ -54,19 +55,11 @@ def _in_proj_conv_kernel(x_ptr, w_ptr, conv_w_ptr, state_ptr, slots_ptr, has_sta
     conv = rows[:, None] & channels[None, :]  # [BM, BN]
     taps = (state_ptr + slots[:, None].to(tl.int64) * stride_s_slot
             + offs_n[None, :] * stride_s_chan)  # [BM, BN] at tap 0, the oldest
-    weights = conv_w_ptr + offs_n * stride_cw_chan  # [BN]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for j in tl.static_range(KERNEL - 1):
-        tap = tl.load(taps + j * stride_s_tap, mask=conv & has_state[:, None], other=0.0)
-        weight = tl.load(weights + j * stride_cw_tap, mask=channels, other=0.0)
-        acc += tap.to(tl.float32) * weight.to(tl.float32)[None, :]
-    last_weight = tl.load(weights + (KERNEL - 1) * stride_cw_tap, mask=channels, other=0.0)
-    acc += projected.to(tl.float32) * last_weight.to(tl.float32)[None, :]
-    for j in tl.static_range(1, KERNEL - 1):  # shift left by one: tap j moves to j - 1
-        tap = tl.load(taps + j * stride_s_tap, mask=conv & has_state[:, None], other=0.0)
-        tl.store(taps + (j - 1) * stride_s_tap, tap, mask=conv)
-    tl.store(taps + (KERNEL - 2) * stride_s_tap,
-             projected.to(tl.float32).to(state_ptr.dtype.element_ty), mask=conv)
+    acc, last_weight = carried_taps_sum(
+        taps, (conv_w_ptr + offs_n * stride_cw_chan)[None, :], conv & has_state[:, None],
+        channels[None, :], stride_s_tap, stride_cw_tap, KERNEL)  # [BM, BN], [1, BN]
+    acc += projected.to(tl.float32) * last_weight.to(tl.float32)
+    shift_in(taps, projected, conv & has_state[:, None], conv, stride_s_tap, KERNEL)
     out = tl.where(channels[None, :], (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty),
                    projected)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out,
