@@ -42,13 +42,13 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, eps,
     pdl_wait(USE_PDL)  # x is the previous kernel's output, the residual an earlier one's
     add_rms_norm_row(x_ptr + row * stride_x, stride_x_part, residual_ptr + row * stride_residual,
                      weight, out_ptr + row * D, sum_ptr + row * D, eps, dims, mask, D, PARTS,
-                     ZERO_CENTERED)
+                     ZERO_CENTERED, "")
 
 
 @triton.jit
 def add_rms_norm_row(x_ptr, stride_x_part, residual_ptr, weight, out_ptr, sum_ptr, eps, dims,
                      mask, D, PARTS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                     PARTS_CACHE: tl.constexpr = ""):
+                     PARTS_CACHE: tl.constexpr):
     """One row: ``x``'s ``PARTS`` parts (``stride_x_part`` apart) summed in order in fp32,
     then the residual row, rounded once -> ``sum_ptr``; its RMSNorm (``weight``: fp32, at
     ``dims``) -> ``out_ptr``. ``PARTS_CACHE``: the parts' loads' cache modifier (``".cg"``

@@ -312,7 +312,7 @@ def _slots_add_norm(out_ptr, residual_ptr, norm_weight_ptr, normed_ptr, summed_p
     for token in range(tokens):
         add_rms_norm_row(out_ptr + token * TOP_K * H, H, residual_ptr + token * stride_residual,
                          weight, normed_ptr + token * H, summed_ptr + token * H, eps, dims,
-                         mask, H, TOP_K, ZERO_CENTERED, PARTS_CACHE=".cg")
+                         mask, H, TOP_K, ZERO_CENTERED, ".cg")
 
 
 RESET_BLOCK = tl.constexpr(128)  # counters the persistent kernel zeroes per store
