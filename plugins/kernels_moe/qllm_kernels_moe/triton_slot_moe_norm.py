@@ -10,7 +10,9 @@ its gate-up), program (token ``t``, ``BLOCK_N`` output columns):
 1. reads every one of ``t``'s slots' ``w2`` rows for its columns (their first ``BLOCK_K``
    columns, the whole rows where ``BLOCK_K >= I``) before its PDL wait: the gate-up let the
    down launch only after its own wait, so the router's ids are final;
-2. after the wait, computes each slot's columns as the down does (``down_dots``), rounds
+2. after the wait, lets the next kernel launch (the programs are all resident at once: a
+   release before the wait would launch it while the gate-up still runs), then computes each
+   slot's columns as the down does (``down_dots``), rounds
    each to the output dtype, sums them in slot order in fp32, adds the residual and rounds
    once: ``summed[t, columns]``, the new residual stream, as ``add_rms_norm`` computes it;
 3. counts itself done for ``t`` (a counter per token, a release / acquire ``atomic_add``
@@ -58,7 +60,6 @@ def _slot_down_add_norm_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing
     ks = tl.arange(0, BLOCK_K)
     offsets = rows[:, None] * stride_w_row + ks[None, :]  # [BN, BK]
     first = row_mask[:, None] & (ks < K)[None, :]
-    pdl_release(USE_PDL)
     pointers, tiles = (), ()  # per slot: [BN, BK] each, read before the wait
     for j in tl.static_range(TOP_K):
         expert = tl.load(ids_ptr + token * TOP_K + j, cache_modifier=".cg")
@@ -68,6 +69,7 @@ def _slot_down_add_norm_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing
         tiles = tiles + (tl.load(w_ptrs, mask=first, other=0.0),)
     residual = tl.load(residual_ptr + token * stride_residual + rows, mask=row_mask, other=0.0)
     pdl_wait(USE_PDL)  # hidden is the gate-up's output
+    pdl_release(USE_PDL)  # only now (module docstring)
     branch = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j in tl.static_range(TOP_K):  # the slots in order, each rounded as the down's output
         out = down_dots(hidden_ptr, routing_weights_ptr, token * TOP_K + j, row_mask, ks,

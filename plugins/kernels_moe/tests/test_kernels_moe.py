@@ -319,6 +319,7 @@ def test_pdl_decode_in_cuda_graph(step, monkeypatch):
     experts, top_k, hidden, inter = GPU_SHAPES["35b-a3b"]
     inputs = moe_inputs(1, experts, hidden, inter, top_k, device="cuda")
     logits = router_logits(1, experts, torch.bfloat16, "cuda")  # [1, E + 1]
+    residual, norm_weight = norm_inputs(inputs)  # drawn before the capture
 
     def routed() -> torch.Tensor:
         weights, ids = ops.moe_router(logits, top_k, True)  # [1, k + 1] each
@@ -327,7 +328,7 @@ def test_pdl_decode_in_cuda_graph(step, monkeypatch):
     steps = {"router": lambda: ops.moe_router(logits, top_k, True),
              "fused_moe": lambda: ops.fused_moe(*inputs), "router+fused_moe": routed,
              "fused_moe_add_rms_norm": lambda: ops.fused_moe_add_rms_norm(
-                 *inputs, *norm_inputs(inputs), 1e-6, True)}
+                 *inputs, residual, norm_weight, 1e-6, True)}
     assert_graph_bits_equal(steps[step], monkeypatch)
 
 
@@ -537,11 +538,12 @@ def test_pdl_sass(op, monkeypatch):
     """The router's kernel and the slot path's two, compiled for sm_90 as launched: with PDL
     each waits before any store, the router at entry, the gate-up after reading the shared
     expert's first tile, and it lets the down launch only after its wait (the persistent
-    kernel, as the gate-up); the down (with the add and norm too) reads its ids and weights
-    first (``qllm.testing.pdl.assert_pdl_sass``); without, no grid-dependency-control
-    instruction."""
+    kernel, as the gate-up); the down reads its ids and weights first, and so does the down
+    with the add and norm, which also releases only after its wait
+    (``qllm.testing.pdl.assert_pdl_sass``); without, no grid-dependency-control instruction."""
     assert_pdl_sass(_pdl_launch(op), monkeypatch, reads_before_wait=op != "router",
-                    releases_after_wait={"_slot_gate_up_kernel", "_slot_moe_kernel"})
+                    releases_after_wait={"_slot_gate_up_kernel", "_slot_moe_kernel",
+                                         "_slot_down_add_norm_kernel"})
 
 
 test_triton_interpreter = interpreter_driver(__file__)
