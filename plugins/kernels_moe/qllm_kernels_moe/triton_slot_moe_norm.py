@@ -12,9 +12,9 @@ its gate-up), program (token ``t``, ``BLOCK_N`` output columns):
    down launch only after its own wait, so the router's ids are final;
 2. after the wait, lets the next kernel launch (the programs are all resident at once: a
    release before the wait would launch it while the gate-up still runs), then computes each
-   slot's columns as the down does (``down_dots``), rounds
-   each to the output dtype, sums them in slot order in fp32, adds the residual and rounds
-   once: ``summed[t, columns]``, the new residual stream, as ``add_rms_norm`` computes it;
+   slot's columns as the down does (``down_dots``), rounds each to the output dtype, sums
+   them in slot order in fp32, adds the residual and rounds once: ``summed[t, columns]``,
+   the new residual stream, as ``add_rms_norm`` computes it;
 3. counts itself done for ``t`` (a counter per token, a release / acquire ``atomic_add``
    after a barrier); the last of ``t``'s programs reads the whole ``summed[t]`` row and
    writes its RMSNorm, ``normed[t]``, then zeroes the counter for the next launch.
