@@ -215,13 +215,8 @@ class GatedDeltaNet(nn.Module):
         ``in_proj_conv1d_update``, while the projection holds its full-precision weight; an
         8-bit format's swaps it), then the gated delta rule and the gated norm with ``z``
         (one op), from and into the slots' states -> ``[B, Hv, dv]``."""
-        conv_weight = self.conv1d.weight[:, 0, :]  # [C, K]
-        if isinstance(self.in_proj, GDNInputProjection):
-            qkv, z, b, a = self.in_proj.split(self._in_proj_conv_update(
-                hidden, self.in_proj.weight, conv_weight, self.conv_state, batch))
-        else:
-            qkv, z, b, a = self.in_proj.split(self.in_proj(hidden))
-            qkv = self._conv_update(qkv, conv_weight, self.conv_state, batch)
+        qkv, z, b, a = self.in_proj.split(self.in_proj(hidden))
+        qkv = self._conv_update(qkv, self.conv1d.weight[:, 0, :], self.conv_state, batch)
         q, k, v = self._split_heads(*qkv.split(self.qkv_sizes, dim=-1))  # views of [B, C]
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))  # [B, Hv, dv]
         return self._gdn_decode_gated_norm(q, k, v, a, b, self.A_log, self.dt_bias,

@@ -172,9 +172,6 @@ class SparseMoeBlock(nn.Module):
                                                       norm.zero_centered,
                                                       self.input_proj.weight)
         weights, ids = self._route(logits)
-        if self.shared_expert_fused and self.tp.size == 1 and isinstance(self.experts, Experts):
-            return self.experts.add_norm(x, weights, ids, self.shared_expert.gate_up_proj.weight,
-                                         self.shared_expert.down_proj.weight, summed, next_norm)
         return next_norm(self._experts(x, weights, ids), summed)
 
     def _route(self, projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
