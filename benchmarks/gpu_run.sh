@@ -11,11 +11,7 @@
 #   norm + RoPE cases (alone and storing K/V), which fit a
 #   short call where the whole kernel-tests stage does not; linear-tests: the
 #   linear (GEMV) plugin's tests);
-#   kernels: kernel micro-benchmarks; bench-moe-add-norm: the MoE with the add + norm after
-#   it, fused into its down against two ops, at 1 and 4 tokens (bench_moe.py --add-norm);
-#   bench-gdn-in-proj-conv: the GDN input projection then the conv update against the two in
-#   one kernel, at 1 and 4 rows (bench_gdn.py --in-proj-conv);
-#   bandwidth: the HBM read bandwidth reached by access
+#   kernels: kernel micro-benchmarks; bandwidth: the HBM read bandwidth reached by access
 #   pattern (bench_bandwidth.py: the rooflines' ceiling); bench-linear: the GEMV's
 #   launch-config sweep at the Qwen3.5-35B-A3B projection shapes (JSON lines, best config
 #   per shape and row count; bench-linear-1: at W3's one row only); gemv-sweep-w3: the sweep
@@ -192,11 +188,9 @@ w3_table_trials() {  # w3_table_trials TABLE NAME FILE "TRIAL ..." SETTER...: pe
     out=$stage_out
 }
 pdl_tests() {  # every plugin's PDL tests (bits in CUDA graphs against PDL off; the SASS
-    # checks run in CI, on the CPU), the slot MoE's (with the add + norm) and the GDN decode's
-    # parity
+    # checks run in CI, on the CPU), the slot MoE's and the GDN decode's parity
     run pdl_tests 300 python3 -m pytest $PYTEST_GPU \
-        -k "(pdl or slot or decode_parity or add_norm) and not interpreted and not sass" \
-        tests/test_pdl.py \
+        -k "(pdl or slot or decode_parity) and not interpreted and not sass" tests/test_pdl.py \
         plugins/kernels_linear/tests/test_kernels_linear.py \
         plugins/kernels_gdn/tests/test_kernels_gdn.py \
         plugins/kernels_moe/tests/test_kernels_moe.py \
@@ -236,10 +230,6 @@ for stage in "$@"; do
                  run bench_gdn 100 python3 plugins/kernels_gdn/benchmarks/bench_gdn.py
                  run bench_linear 100 python3 plugins/kernels_linear/benchmarks/bench_linear.py
                  run bench_norms 100 python3 benchmarks/bench_norms.py ;;
-        bench-moe-add-norm) TAIL=${TAIL:-14} run bench_moe_add_norm 200 python3 \
-                                plugins/kernels_moe/benchmarks/bench_moe.py --add-norm ;;
-        bench-gdn-in-proj-conv) TAIL=${TAIL:-6} run bench_gdn_in_proj_conv 150 python3 \
-                                    plugins/kernels_gdn/benchmarks/bench_gdn.py --in-proj-conv ;;
         bandwidth) TAIL=${TAIL:-30} run bench_bandwidth 200 python3 benchmarks/bench_bandwidth.py ;;
         bench-linear) TAIL=${TAIL:-12} run bench_linear_sweep 480 python3 \
                           plugins/kernels_linear/benchmarks/bench_linear.py --sweep ;;

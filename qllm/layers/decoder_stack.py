@@ -17,25 +17,14 @@ class DecoderStack(nn.Module):
     residual being None before the first layer (its input norm then adds nothing). Prefill
     calls each layer's plain ``forward``, bypassing a layer compiled for decode (see
     ``CausalLM.prefill_regions``).
-
-    With ``norms_in_layers``, every layer ends with the residual add and the norm that the
-    next one would begin with (its ``input_layernorm``; after the last layer, ``norm``):
-    the stack hands each layer that norm (``layer.end_with(norm)``), a layer after the first
-    takes its input normed, and ``norm`` does not run again. A layer can then fuse the add and
-    the norm into its last kernel (the MoE's down: ``fused_moe_add_rms_norm``).
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, layers: Iterable[nn.Module],
-                 norm: nn.Module, norms_in_layers: bool = False):
+                 norm: nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
-        self.norms_in_layers = norms_in_layers
-        if norms_in_layers:
-            following = [layer.input_layernorm for layer in self.layers[1:]] + [norm]
-            for layer, next_norm in zip(self.layers, following):
-                layer.end_with(next_norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -48,6 +37,5 @@ class DecoderStack(nn.Module):
         for layer in self.layers:
             run = layer.forward if batch.is_prefill else layer
             hidden, residual = run(positions, hidden, residual, batch)
-        if not self.norms_in_layers:
-            hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
         return hidden

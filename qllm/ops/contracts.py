@@ -52,8 +52,6 @@ CORE_OPS: tuple[OpContract, ...] = (
                "the depthwise causal conv + SiLU over packed new tokens, carrying the state"),
     OpContract("causal_conv1d_update", gdn.causal_conv1d_update,
                "one token per sequence of the causal conv + SiLU (graph-capturable)"),
-    OpContract("in_proj_conv1d_update", gdn.in_proj_conv1d_update,
-               "a GDN layer's input projection, then causal_conv1d_update of its conv channels"),
     OpContract("gdn_prefill", gdn.gdn_prefill,
                "the chunked gated delta rule over packed new tokens, carrying the state"),
     OpContract("gdn_decode", gdn.gdn_decode,
@@ -64,8 +62,6 @@ CORE_OPS: tuple[OpContract, ...] = (
                "softmax top-k routing, then the shared expert's sigmoid-gated slot"),
     OpContract("fused_moe", moe.fused_moe,
                "the SwiGLU experts of each token's routed slots, weighted, unsummed"),
-    OpContract("fused_moe_add_rms_norm", moe.fused_moe_add_rms_norm,
-               "fused_moe, then add_rms_norm of its slots (the two fused by kernels)"),
     OpContract("sample_tokens", sampling.sample_tokens,
                "a token per row drawn from softmax(logits / temperature), argmax at 0"),
 )

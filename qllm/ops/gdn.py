@@ -1,14 +1,12 @@
 """Plain-torch reference kernels for Gated DeltaNet (CPU-correct; the GPU kernels' oracle).
 
-Six ops, registered in ``qllm.plugins.builtins`` under these names:
+Five ops, registered in ``qllm.plugins.builtins`` under these names:
 
 - ``causal_conv1d_prefill`` / ``causal_conv1d_update``: the depthwise causal conv over the
   ``[q | k | v]`` channels, **with the SiLU applied inside** (as ``causal_conv1d_fn(...,
   activation="silu")`` does), carrying each sequence's last ``K - 1`` inputs between steps.
   Prefill returns q, k and v as separate contiguous tensors (chunked kernels read them so);
   decode returns ``[B, C]``, whose column views the recurrent kernel reads in place.
-  ``in_proj_conv1d_update``: decode's input projection with ``causal_conv1d_update`` of its
-  conv channels (one kernel where fused).
 - ``gdn_prefill`` (chunked form, chunk 64) / ``gdn_decode`` (recurrent single step): the gated
   delta rule; ``gdn_decode_gated_norm``: ``gdn_decode`` and the layer's gated RMSNorm after it.
 
@@ -45,7 +43,6 @@ import torch
 import torch.nn.functional as F
 
 from qllm.batch import ForwardBatch
-from qllm.ops.linear import linear
 from qllm.ops.norm import rms_norm_gated
 
 CHUNK_SIZE = 64
@@ -99,19 +96,6 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     out = F.silu((window * weight.float()).sum(-1))  # [B, C]
     conv_state.index_copy_(0, slots, window[:, :, 1:].to(conv_state.dtype))
     return out.to(x.dtype)
-
-
-def in_proj_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_weight: torch.Tensor,
-                          conv_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """One new token per sequence: the layer's input projection ``x [B, H] @ weight [N, H]^T``
-    (the ``linear`` op; its first ``C`` output features are the conv's channels, ``conv_weight
-    [C, K]``), then ``causal_conv1d_update`` of those ``C`` -> ``[B, N]``: the conv's output,
-    then the projection's other features as projected. Shifts the slots' conv state in place;
-    tensor-only, CUDA-graph capturable."""
-    projected = linear(x, weight, None)  # [B, N]
-    channels = conv_weight.shape[0]
-    conv = causal_conv1d_update(projected[:, :channels], conv_weight, conv_state, batch)
-    return torch.cat([conv, projected[:, channels:]], dim=-1)
 
 
 # ----------------------------------------------------------------------------- gated delta rule

@@ -1,7 +1,6 @@
 """Plain-torch references of the MoE ops (the GPU kernels' oracles): ``moe_router`` (softmax
-router, top-k, the shared expert as one more slot), ``fused_moe`` (the routed SwiGLU experts
-with the shared one) and ``fused_moe_add_rms_norm`` (``fused_moe``, then the residual add and
-RMSNorm of its slots), and ``grouped_moe``, the eager expert loop of the ``fused_moe`` contract
+router, top-k, the shared expert as one more slot) and ``fused_moe`` (the routed SwiGLU experts
+with the shared one), and ``grouped_moe``, the eager expert loop of the ``fused_moe`` contract
 for any storage of the experts' weights: the model plugin's bf16 stacks and a weight-format
 plugin's 8-bit ones alike.
 
@@ -18,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from qllm.ops.activation import silu_and_mul
-from qllm.ops.norm import add_rms_norm
 
 # expert id -> (w13 [2I, H], w2 [H, I]) in the activation dtype; id E is the shared expert
 ExpertWeights = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
@@ -75,20 +73,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     num_experts = w13.shape[0]
     return grouped_moe(x, topk_weights, topk_ids, num_experts, lambda e: (
         (w13[e], w2[e]) if e < num_experts else (shared_w13, shared_w2)))
-
-
-def fused_moe_add_rms_norm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                           topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                           shared_w13: torch.Tensor, shared_w2: torch.Tensor,
-                           residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                           zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fused_moe``'s slots summed with ``residual [T, H]``, then RMSNorm: ``(normed,
-    summed)``, both ``[T, H]``, as the ``add_rms_norm`` op computes them from ``fused_moe``'s
-    output (``norm_weight [H]``, ``eps`` and ``zero_centered`` the norm's). The add + norm
-    after an MoE block, the next layer's input norm (``DecoderStack``'s ``norms_in_layers``):
-    GPU plugins may compute it in the experts' last kernel."""
-    slots = fused_moe(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2)  # [T, k, H]
-    return add_rms_norm(slots, residual, norm_weight, eps, zero_centered)
 
 
 def _dense_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

@@ -19,11 +19,7 @@ reference's output. Prints a table, then one JSON object per row.
     python plugins/kernels_gdn/benchmarks/bench_gdn.py \
         [--impl triton torch fla] [--batches 1 16 64 200]
         [--ssm-dtype bfloat16] [--state-layout key-major] [--slots consecutive]
-        [--sweep-decode | --sweep-conv | --in-proj-conv]
-
-``--in-proj-conv`` times, at decode batch 1 and 4 (or ``--batches``), the layer's input
-projection (``[12352, 2048]``, qllm-kernels-linear's GEMV) then the conv update, two kernels,
-against ``in_proj_conv1d_update``, the conv in the GEMV's epilogue (CUDA-graph replays).
+        [--sweep-decode | --sweep-conv]
 
 ``--sweep-decode`` times only the Triton decode kernel over its launch configurations (value
 dims per program x warps) at each batch size, to choose ``_launch_config``'s rule;
@@ -190,49 +186,6 @@ def sweep(kind: str, batch_sizes: list[int]) -> None:
                                   "gbps": round(nbytes / ms / 1e6, 1)}))
 
 
-HIDDEN = 2048  # the input projection's K (Qwen3.5-35B-A3B's hidden size)
-
-
-def measure_in_proj_conv(batch_sizes: list[int]) -> None:
-    """``--in-proj-conv`` (module docstring): one row per batch and way, and the largest
-    difference of the fused op's output from the two kernels'."""
-    from qllm_kernels_linear.ops import linear
-
-    rows = []
-    for batch_size in batch_sizes:
-        batch = decode_batch(batch_size)
-        conv = conv_inputs(batch, GEOMETRY, NUM_SLOTS, DTYPE, CONV_DTYPE)
-        gen = torch.Generator(device="cuda").manual_seed(batch_size)
-        features = GEOMETRY.conv_dim + GEOMETRY.num_v_heads * (GEOMETRY.head_v_dim + 2)
-        hidden = torch.randn(batch_size, HIDDEN, generator=gen, device="cuda").to(DTYPE)
-        weight = (torch.randn(features, HIDDEN, generator=gen, device="cuda")
-                  * HIDDEN ** -0.5).to(DTYPE)
-        torch.cuda.synchronize()  # written before a PDL launch reads it (triton_gemv)
-        state, channels = conv.conv_state, GEOMETRY.conv_dim
-
-        def two_kernels():
-            projected = linear(hidden, weight, None)  # [B, N]
-            return ops.causal_conv1d_update(projected[:, :channels], conv.weight, state,
-                                            batch), projected
-
-        def fused():
-            return ops.in_proj_conv1d_update(hidden, weight, conv.weight, state, batch)
-
-        initial = state.clone()
-        conv_out, projected = two_kernels()
-        expected = torch.cat([conv_out, projected[:, channels:]], dim=-1).float()
-        state.copy_(initial)
-        max_err = (fused().float() - expected).abs().max().item()
-        for name, call in (("linear + conv_update", two_kernels),
-                           ("in_proj_conv1d_update", fused)):
-            state.copy_(initial)
-            rows.append(dict(case=name, batch=batch_size,
-                             ms=round(do_bench(graphed(call), return_mode="median"), 4),
-                             max_err=round(max_err if call is fused else 0.0, 4)))
-    print_table(rows, [("case", "case", 24, None), ("batch", "batch", 6, "d"),
-                       ("ms", "ms", 9, ".4f"), ("max_err", "max_err", 9, ".4f")])
-
-
 def main() -> None:
     global SSM_DTYPE, KEY_MAJOR_STATE, CONSECUTIVE_SLOTS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -246,17 +199,12 @@ def main() -> None:
     sweeps = parser.add_mutually_exclusive_group()
     sweeps.add_argument("--sweep-decode", action="store_true")
     sweeps.add_argument("--sweep-conv", action="store_true")
-    sweeps.add_argument("--in-proj-conv", action="store_true")
     args = parser.parse_args()
     SSM_DTYPE = getattr(torch, args.ssm_dtype)
     KEY_MAJOR_STATE = args.state_layout == "key-major"
     CONSECUTIVE_SLOTS = args.slots == "consecutive"
     if args.sweep_decode or args.sweep_conv:
         sweep("gdn_decode" if args.sweep_decode else "conv_update", args.batches)
-        return
-    if args.in_proj_conv:
-        given = parser.get_default("batches") != args.batches
-        measure_in_proj_conv(args.batches if given else [1, 4])
         return
     impls = [i for i in args.impl if i != "fla" or HAS_FLA]
 

@@ -10,7 +10,6 @@ fla; the kernels are imported on the first real call.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from qllm.batch import ForwardBatch
 
@@ -29,34 +28,6 @@ def conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
 @conv1d_update.register_fake
 def _conv1d_update_fake(x, weight, conv_state, slots, has_state):
     return x.new_empty(x.shape)
-
-
-@torch.library.custom_op("qllm_gdn::in_proj_conv1d_update", mutates_args=("conv_state",))
-def in_proj_conv1d_update_op(x: torch.Tensor, weight: torch.Tensor, conv_weight: torch.Tensor,
-                             conv_state: torch.Tensor, slots: torch.Tensor,
-                             has_state: torch.Tensor) -> torch.Tensor:
-    """The input projection ``x [B, H] @ weight [N, H]^T``, then conv + SiLU of its first ``C``
-    features (``conv_weight [C, K]``) -> ``[B, N]``; shifts the slots. One kernel where the
-    GEMV serves the rows (``triton_in_proj_conv``), else ``F.linear`` then
-    ``conv1d_update``'s kernel over the projection's channels in place (no copy of the
-    rest)."""
-    from qllm_kernels_linear.ops import takes_gemv
-
-    if takes_gemv(x, weight, None):
-        from qllm_kernels_gdn.triton_in_proj_conv import in_proj_conv_update
-
-        return in_proj_conv_update(x, weight, conv_weight, conv_state, slots, has_state)
-    from qllm_kernels_gdn.triton_conv import conv1d_update as conv_launch
-
-    projected = F.linear(x, weight)  # [B, N]
-    channels = projected[:, :conv_weight.shape[0]]
-    conv_launch(channels, conv_weight, conv_state, slots, has_state, out=channels)  # in place
-    return projected
-
-
-@in_proj_conv1d_update_op.register_fake
-def _in_proj_conv1d_update_fake(x, weight, conv_weight, conv_state, slots, has_state):
-    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 @torch.library.custom_op("qllm_gdn::conv1d_prefill", mutates_args=("conv_state",))
@@ -181,14 +152,6 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     """``causal_conv1d_update`` for qllm (see ``qllm.ops.gdn``); tensor-only."""
     cache = batch.caches["recurrent_slot"]
     return conv1d_update(x, weight, conv_state, cache.slots, cache.has_initial_state)
-
-
-def in_proj_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_weight: torch.Tensor,
-                          conv_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """``in_proj_conv1d_update`` for qllm (see ``qllm.ops.gdn``); tensor-only."""
-    cache = batch.caches["recurrent_slot"]
-    return in_proj_conv1d_update_op(x, weight, conv_weight, conv_state, cache.slots,
-                                    cache.has_initial_state)
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,

@@ -1,11 +1,9 @@
 """qllm plugin entry point: registers the Gated DeltaNet kernels through ``qllm_kernels``.
 
 - ``triton`` (priority 10, above the plain-torch references' 0): ``causal_conv1d_prefill``,
-  ``causal_conv1d_update``, ``in_proj_conv1d_update`` (with qllm-kernels-linear's GEMV: the
-  decode input projection and the conv in one kernel), ``gdn_decode``, ``gdn_prefill``
-  (token-by-token recurrence), ``rms_norm_gated`` (the layer's output norm) and
-  ``gdn_decode_gated_norm`` (the decode recurrence and that norm, one kernel in small steps)
-  on CUDA when Triton is importable.
+  ``causal_conv1d_update``, ``gdn_decode``, ``gdn_prefill`` (token-by-token recurrence),
+  ``rms_norm_gated`` (the layer's output norm) and ``gdn_decode_gated_norm`` (the decode
+  recurrence and that norm, one kernel in small steps) on CUDA when Triton is importable.
 - ``fla`` (priority 20, so it wins over the recurrent prefill): ``gdn_prefill`` through fla's
   chunked kernels, available only where ``fla-core`` is installed (``pip install
   qllm-kernels-gdn[fla]``).
@@ -42,7 +40,6 @@ def qllm_kernels():
     return [
         triton("causal_conv1d_prefill", ops.causal_conv1d_prefill),
         triton("causal_conv1d_update", ops.causal_conv1d_update),
-        triton("in_proj_conv1d_update", ops.in_proj_conv1d_update),
         triton("gdn_decode", ops.gdn_decode),
         triton("gdn_decode_gated_norm", ops.gdn_decode_gated_norm),
         triton("gdn_prefill", ops.gdn_prefill),

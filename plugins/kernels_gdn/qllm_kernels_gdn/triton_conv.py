@@ -53,41 +53,23 @@ def _conv_update_kernel(
     slot = tl.load(slots_ptr + seq)
     has_state = tl.load(has_state_ptr + seq)
     state = state_ptr + slot * stride_s_slot + chans * stride_s_chan  # [BC], tap 0 (oldest)
-    acc, last_weight = carried_taps_sum(state, w_ptr + chans * stride_w_chan, mask & has_state,
-                                        mask, stride_s_tap, stride_w_tap, KERNEL)  # [BC] each
+    weight = w_ptr + chans * stride_w_chan  # [BC]
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(KERNEL - 1):
+        tap = tl.load(state + j * stride_s_tap, mask=mask & has_state, other=0.0)  # [BC]
+        acc += tap.to(tl.float32) * tl.load(weight + j * stride_w_tap, mask=mask,
+                                            other=0.0).to(tl.float32)
+    last_weight = tl.load(weight + (KERNEL - 1) * stride_w_tap, mask=mask, other=0.0)
     pdl_wait(USE_PDL)  # x is the in_proj's output; the state is shifted in place
     x = tl.load(x_ptr + seq * stride_x_tok + chans * stride_x_chan, mask=mask, other=0.0)
     acc += x.to(tl.float32) * last_weight.to(tl.float32)
-    shift_in(state, x, mask & has_state, mask, stride_s_tap, KERNEL)
+    for j in tl.static_range(1, KERNEL - 1):  # shift left by one: tap j moves to j - 1
+        tap = tl.load(state + j * stride_s_tap, mask=mask & has_state, other=0.0)  # cached
+        tl.store(state + (j - 1) * stride_s_tap, tap, mask=mask)
+    tl.store(state + (KERNEL - 2) * stride_s_tap,
+             x.to(tl.float32).to(state_ptr.dtype.element_ty), mask=mask)
     out = acc * tl.sigmoid(acc)
     tl.store(out_ptr + seq * stride_out_tok + chans, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def carried_taps_sum(taps, weights, tap_mask, weight_mask, stride_s_tap, stride_w_tap,
-                     KERNEL: tl.constexpr):
-    """The carried inputs' part of a decode conv step: ``sum_j taps[j] * weights[j]`` over
-    the slot's ``KERNEL - 1`` taps (``taps``: pointers at tap 0, the oldest; zeros outside
-    ``tap_mask``, e.g. without state) in fp32, and the last tap's weights (the new input's),
-    ``weights`` broadcast against ``taps``."""
-    acc = tl.zeros(taps.shape, dtype=tl.float32)
-    for j in tl.static_range(KERNEL - 1):
-        tap = tl.load(taps + j * stride_s_tap, mask=tap_mask, other=0.0)
-        weight = tl.load(weights + j * stride_w_tap, mask=weight_mask, other=0.0)
-        acc += tap.to(tl.float32) * weight.to(tl.float32)
-    return acc, tl.load(weights + (KERNEL - 1) * stride_w_tap, mask=weight_mask, other=0.0)
-
-
-@triton.jit
-def shift_in(taps, x, tap_mask, store_mask, stride_s_tap, KERNEL: tl.constexpr):
-    """The slot's taps shifted left by one (tap ``j`` moves to ``j - 1``; zeros read outside
-    ``tap_mask``), then ``x``, the new input, stored last in the state's dtype; each element
-    read and written by the thread that owns it."""
-    for j in tl.static_range(1, KERNEL - 1):
-        tap = tl.load(taps + j * stride_s_tap, mask=tap_mask, other=0.0)  # cached
-        tl.store(taps + (j - 1) * stride_s_tap, tap, mask=store_mask)
-    tl.store(taps + (KERNEL - 2) * stride_s_tap,
-             x.to(tl.float32).to(taps.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit
@@ -167,14 +149,12 @@ def _conv_state_kernel(
 
 def conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                   slots: torch.Tensor, has_state: torch.Tensor, block_c: int = UPDATE_BLOCK_C,
-                  num_warps: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
+                  num_warps: int = 4) -> torch.Tensor:
     """``x [B, C]``, ``weight [C, K]``, ``conv_state [S + 1, C, K - 1]`` (shifted in place),
-    ``slots [B]``, ``has_state [B]`` -> ``[B, C]`` in ``x.dtype``: a new tensor, or ``out``
-    (unit channel stride; ``x`` itself may be it: each element is read before it is written,
-    by the same thread). ``block_c`` (channels per program) and ``num_warps`` override the
-    launch configuration (for tuning)."""
+    ``slots [B]``, ``has_state [B]`` -> ``[B, C]`` in ``x.dtype``. ``block_c`` (channels per
+    program) and ``num_warps`` override the launch configuration (for tuning)."""
     batch, channels = x.shape
-    out = x.new_empty(batch, channels) if out is None else out
+    out = x.new_empty(batch, channels)
     grid = (batch, triton.cdiv(channels, block_c))
     _conv_update_kernel[grid](
         x, weight, conv_state, out, slots, has_state,

@@ -75,7 +75,6 @@ TINY_GEOMETRIES = {
 }
 TINY_PREFILL = {"len1": [1], "ragged4": [5, 70, 1, 33]}
 TINY_DECODE = {"b1": (1, 0), "b5-pad2": (5, 2)}
-IN_PROJ_DECODE = {"b1": (1, 0), "b3-pad1": (3, 1), "b5-pad2": (5, 2)}
 TINY_SLOTS = 8
 
 
@@ -109,72 +108,23 @@ def check_conv_prefill(geometry: GDNGeometry, query_lens: list[int], has_state: 
     assert_states(x.conv_state, ref_state, before, batch, conv_state_tolerance(state_dtype))
 
 
-def _chained_decode_steps(geometry: GDNGeometry, num_seqs: int, num_padding: int,
-                          dtype: torch.dtype, state_dtype: torch.dtype, num_slots: int,
-                          device: str, contiguous_state: bool):
-    """Three chained decode steps, the first with some sequences starting fresh: each step's
-    ``(batch, conv inputs)`` (the state to carry through them: the first step's)."""
-    for step in range(3):
-        batch = random_batch([1] * num_seqs, num_slots,
-                             has_state_flags(num_seqs, "mixed") if step == 0 else True, num_padding,
-                             device=device, seed=num_seqs)
-        yield batch, conv_inputs(batch, geometry, num_slots, dtype, state_dtype, seed=step,
-                                 contiguous_state=contiguous_state)
-
-
 def check_conv_update(geometry: GDNGeometry, num_seqs: int, num_padding: int,
                       dtype: torch.dtype, state_dtype: torch.dtype, num_slots: int,
                       device: str, contiguous_state: bool = False) -> None:
     """Three chained steps, the first with some sequences starting fresh."""
     state = ref_state = before = None
-    for batch, x in _chained_decode_steps(geometry, num_seqs, num_padding, dtype, state_dtype,
-                                          num_slots, device, contiguous_state):
+    for step in range(3):
+        batch = random_batch([1] * num_seqs, num_slots,
+                             has_state_flags(num_seqs, "mixed") if step == 0 else True, num_padding,
+                             device=device, seed=num_seqs)
+        x = conv_inputs(batch, geometry, num_slots, dtype, state_dtype, seed=step,
+                        contiguous_state=contiguous_state)
         if state is None:
             state, ref_state, before = x.conv_state, x.conv_state.clone(), x.conv_state.clone()
         ref = reference.causal_conv1d_update(x.x, x.weight, ref_state, batch)
         out = ops.causal_conv1d_update(x.x, x.weight, state, batch)
         assert_close(out[:num_seqs], ref[:num_seqs], _tolerance("triton", dtype, state_dtype))
         assert_states(state, ref_state, before, batch, conv_state_tolerance(state_dtype))
-
-
-IN_PROJ_HIDDEN = 64  # the input projection's K in the in_proj_conv1d_update checks
-
-
-def check_in_proj_conv_update(geometry: GDNGeometry, num_seqs: int, num_padding: int,
-                              dtype: torch.dtype, state_dtype: torch.dtype, num_slots: int,
-                              device: str, contiguous_state: bool = False) -> None:
-    """Three chained steps, the first with some sequences starting fresh: the op against the
-    plain-torch reference (within tolerance), and bit for bit against what it fuses where the
-    GEMV serves the rows (qllm-kernels-linear's ``linear``, then ``causal_conv1d_update``)."""
-    from qllm_kernels_linear.ops import linear, takes_gemv
-
-    gen = torch.Generator(device=device).manual_seed(num_seqs)
-    channels = geometry.conv_dim
-    features = channels + geometry.num_v_heads * (geometry.head_v_dim + 2)  # + z, b, a
-    weight = (torch.randn(features, IN_PROJ_HIDDEN, generator=gen, device=device)
-              * IN_PROJ_HIDDEN ** -0.5).to(dtype)
-    state = None
-    for batch, conv in _chained_decode_steps(geometry, num_seqs, num_padding, dtype,
-                                             state_dtype, num_slots, device, contiguous_state):
-        if state is None:
-            state, before = conv.conv_state, conv.conv_state.clone()
-            ref_state, fused_from = before.clone(), before.clone()
-        hidden = torch.randn(num_seqs + num_padding, IN_PROJ_HIDDEN, generator=gen,
-                             device=device).to(dtype)
-        ref = reference.in_proj_conv1d_update(hidden, weight, conv.weight, ref_state, batch)
-        out = ops.in_proj_conv1d_update(hidden, weight, conv.weight, state, batch)
-        assert out.shape == (num_seqs + num_padding, features)
-        assert_close(out[:num_seqs], ref[:num_seqs], _tolerance("triton", dtype, state_dtype))
-        assert_states(state, ref_state, before, batch,
-                      max(conv_state_tolerance(state_dtype), TOLERANCE[dtype]))
-        if takes_gemv(hidden, weight, None):
-            projected = linear(hidden, weight, None)  # [B, N]
-            unfused = ops.causal_conv1d_update(projected[:, :channels], conv.weight, fused_from,
-                                               batch)
-            assert torch.equal(out, torch.cat([unfused, projected[:, channels:]], dim=-1))
-            assert torch.equal(state, fused_from)
-        else:
-            fused_from.copy_(state)
 
 
 def check_gdn_prefill(impl: str, geometry: GDNGeometry, query_lens: list[int], has_state: str,
@@ -242,11 +192,6 @@ def opcheck_ops(device: str, dtype: torch.dtype, with_fla: bool) -> None:
             (decode, ops.conv1d_update, _slot_fields)):
         x = conv_inputs(batch, geometry, TINY_SLOTS, dtype, torch.float32)
         torch.library.opcheck(conv, (x.x, x.weight, x.conv_state, *conv_args(batch)))
-    gen = torch.Generator(device=device).manual_seed(0)
-    hidden = torch.randn(4, 16, generator=gen, device=device).to(dtype)  # decode's 3 + 1 rows
-    in_proj = torch.randn(geometry.conv_dim + 8, 16, generator=gen, device=device).to(dtype)
-    torch.library.opcheck(ops.in_proj_conv1d_update_op,
-                          (hidden, in_proj, x.weight, x.conv_state, *_slot_fields(decode)))
     gdn_ops = [ops.recurrent_prefill] + ([ops.fla_chunk_prefill] if with_fla else [])
     for op in gdn_ops:
         x = gdn_inputs(prefill, geometry, TINY_SLOTS, dtype, torch.float32)
@@ -307,12 +252,8 @@ def test_conv_prefill_parity(geometry, lens, has_state, state_dtype):
 @pytest.mark.parametrize("geometry", [GPU_GEOMETRIES["qwen3.5-35b"],
                                       GPU_GEOMETRIES["gqa4-dv96-k3"]], ids=["qwen3.5-35b",
                                                                             "gqa4-dv96-k3"])
-@pytest.mark.parametrize("check", [check_conv_update, check_in_proj_conv_update],
-                         ids=["alone", "in_proj"])
-def test_conv_update_parity(check, geometry, batch, state_dtype):
-    """The conv alone, and with the input projection before it (one kernel up to the GEMV's
-    rows; cuBLAS, then the conv's kernel from b64)."""
-    check(geometry, *batch, torch.bfloat16, state_dtype, GPU_SLOTS, "cuda")
+def test_conv_update_parity(geometry, batch, state_dtype):
+    check_conv_update(geometry, *batch, torch.bfloat16, state_dtype, GPU_SLOTS, "cuda")
 
 
 @cuda
@@ -445,9 +386,8 @@ def test_compiled_decode_matches_eager():
 def _pdl_decode_steps(num_seqs: int) -> tuple[dict, Callable[[], None]]:
     """A GDN layer's decode kernels at Qwen3.5-35B-A3B's geometry for ``num_seqs`` sequences on
     CUDA, as steps (name -> a call returning its outputs and the states it updated): each op
-    alone (the conv update also with the input projection before it, one op), and the layer's
-    chain (conv update, recurrence, gated RMSNorm, each fed by the one before); and the reset
-    that restores those states."""
+    alone, and the layer's chain (conv update, recurrence, gated RMSNorm, each fed by the one
+    before); and the reset that restores those states."""
     args = _decode_step_inputs(QWEN3_5_35B_A3B, num_seqs, 0, torch.bfloat16, GPU_SLOTS, "cuda")
     x, weight, conv_state, *_, ssm_state, batch = args
     gdn = gdn_inputs(batch, QWEN3_5_35B_A3B, GPU_SLOTS, torch.bfloat16, torch.float32, seed=1)
@@ -455,11 +395,6 @@ def _pdl_decode_steps(num_seqs: int) -> tuple[dict, Callable[[], None]]:
                                              QWEN3_5_35B_A3B.head_v_dim, torch.bfloat16, "cuda")
     states = (conv_state, ssm_state, gdn.ssm_state)
     initial = [state.clone() for state in states]
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    hidden = torch.randn(num_seqs, 2048, generator=gen, device="cuda").to(torch.bfloat16)
-    in_proj_weight = (torch.randn(x.shape[1] + 64, 2048, generator=gen, device="cuda")
-                      * 2048 ** -0.5).to(torch.bfloat16)  # the conv's channels, then 64 more
-    torch.cuda.synchronize()  # the weight written before a PDL launch reads it (triton_gemv)
 
     def reset() -> None:
         for state, before in zip(states, initial):
@@ -468,8 +403,6 @@ def _pdl_decode_steps(num_seqs: int) -> tuple[dict, Callable[[], None]]:
     steps = {
         "conv_update": lambda: (ops.causal_conv1d_update(x, weight, conv_state, batch),
                                 conv_state),
-        "in_proj_conv_update": lambda: (ops.in_proj_conv1d_update(
-            hidden, in_proj_weight, weight, conv_state, batch), conv_state),
         "gdn_decode": lambda: (ops.gdn_decode(*gdn.args()), gdn.ssm_state),
         "rms_norm_gated": lambda: ops.rms_norm_gated(x_heads, gate, norm_weight, 1e-6),
         "layer": lambda: (ops.rms_norm_gated(_decode_step(*args), gate, norm_weight, 1e-6),
@@ -482,8 +415,8 @@ def _pdl_decode_steps(num_seqs: int) -> tuple[dict, Callable[[], None]]:
 
 @cuda
 @pytest.mark.parametrize("num_seqs", [1, 64], ids=["b1", "b64"])
-@pytest.mark.parametrize("step", ["conv_update", "in_proj_conv_update", "gdn_decode",
-                                  "rms_norm_gated", "layer", "gdn_decode_gated_norm"])
+@pytest.mark.parametrize("step", ["conv_update", "gdn_decode", "rms_norm_gated", "layer",
+                                  "gdn_decode_gated_norm"])
 def test_pdl_decode_in_cuda_graph(step, num_seqs, monkeypatch):
     """With ``QLLM_PDL`` on, each decode op, and the layer's chain of them, eagerly and in a
     CUDA graph replayed 100 times (the states restored before each), gives the outputs and
@@ -576,8 +509,8 @@ def test_fla_chunk_indices_from_host_lengths():
 
 def test_plugin_registrations(monkeypatch):
     registry = PluginRegistry(extra_plugins=[plugin], load_entry_points=False)
-    triton_ops = ("causal_conv1d_prefill", "causal_conv1d_update", "in_proj_conv1d_update",
-                  "gdn_decode", "gdn_decode_gated_norm", "rms_norm_gated")
+    triton_ops = ("causal_conv1d_prefill", "causal_conv1d_update", "gdn_decode",
+                  "gdn_decode_gated_norm", "rms_norm_gated")
     ops_here = (*triton_ops, "gdn_prefill")
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         names = registry.kernels(torch.device("cuda"), dtype).names()
@@ -594,19 +527,14 @@ def test_plugin_registrations(monkeypatch):
 def _pdl_launch(kernel: str) -> Callable[[], object]:
     """The launch of one of the GDN layer's decode kernels at Qwen3.5-35B-A3B's geometry, one
     sequence, on ``meta`` tensors as the layer lays its inputs out."""
-    from qllm_kernels_gdn import triton_conv, triton_in_proj_conv, triton_norm, triton_recurrent
+    from qllm_kernels_gdn import triton_conv, triton_norm, triton_recurrent
 
     batch = random_batch([1], TINY_SLOTS, True)
     slots = on_meta(*_slot_fields(batch))
-    if kernel in ("conv_update", "in_proj_conv_update"):
+    if kernel == "conv_update":
         conv = conv_inputs(batch, QWEN3_5_35B_A3B, TINY_SLOTS, torch.bfloat16, torch.bfloat16)
         conv_args = on_meta(conv.x, conv.weight, conv.conv_state)
-        if kernel == "conv_update":
-            return lambda: triton_conv.conv1d_update(*conv_args, *slots)
-        hidden, in_proj_weight = on_meta(torch.empty(1, 2048, dtype=torch.bfloat16),
-                                         torch.empty(12352, 2048, dtype=torch.bfloat16))
-        return lambda: triton_in_proj_conv.in_proj_conv_update(hidden, in_proj_weight,
-                                                               *conv_args[1:], *slots)
+        return lambda: triton_conv.conv1d_update(*conv_args, *slots)
     norm_args = on_meta(*norm_inputs(1, QWEN3_5_35B_A3B.num_v_heads, QWEN3_5_35B_A3B.head_v_dim,
                                      torch.bfloat16, "cpu"))
     if kernel.startswith("gdn_decode"):  # the engine's fp32 state, or bf16 as W3 runs it
@@ -619,13 +547,11 @@ def _pdl_launch(kernel: str) -> Callable[[], object]:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("kernel", ["conv_update", "in_proj_conv_update", "gdn_decode",
-                                    "rms_norm_gated", "gdn_decode_gated_norm",
-                                    "gdn_decode_gated_norm-bf16"])
+@pytest.mark.parametrize("kernel", ["conv_update", "gdn_decode", "rms_norm_gated",
+                                    "gdn_decode_gated_norm", "gdn_decode_gated_norm-bf16"])
 def test_pdl_sass(kernel, monkeypatch):
     """Each decode kernel compiled for sm_90 as launched: with PDL it waits before any store,
-    after reading its parameters (and the conv, with or without the input projection, and the
-    recurrence their slots and state) and
+    after reading its parameters (and the conv and the recurrence their slots and state) and
     before reading the previous kernels' outputs (``qllm.testing.pdl.assert_pdl_sass``);
     without, no grid-dependency-control instruction."""
     assert_pdl_sass(_pdl_launch(kernel), monkeypatch, reads_before_wait=True)
@@ -652,24 +578,6 @@ def test_interpreted_conv_prefill(geometry, lens, state_dtype, contiguous_state)
 def test_interpreted_conv_update(geometry, batch, state_dtype, contiguous_state):
     check_conv_update(geometry, *batch, torch.float32, state_dtype, TINY_SLOTS, "cpu",
                       contiguous_state)
-
-
-@interpreted
-@pytest.mark.parametrize("geometry,batch,dtype,contiguous_state", [
-    pytest.param(TINY_GEOMETRIES[geometry], IN_PROJ_DECODE[batch], dtype, layout == "contiguous",
-                 id=f"{geometry}-{batch}-{str(dtype)[6:]}-{layout}")
-    for geometry, batch, dtype, layout in (
-        ("gqa2-dk16-dv8", "b1", torch.float32, "model-layout"),
-        ("gqa2-dk16-dv8", "b3-pad1", torch.bfloat16, "model-layout"),
-        ("gqa2-dk16-dv8", "b3-pad1", torch.float32, "contiguous"),
-        ("gqa2-dk16-dv8", "b5-pad2", torch.float32, "model-layout"),
-        ("mha-dk16-dv12-k3", "b1", torch.float32, "model-layout"),
-        ("mha-dk16-dv12-k3", "b3-pad1", torch.bfloat16, "contiguous"))])
-def test_interpreted_in_proj_conv_update(geometry, batch, dtype, contiguous_state):
-    """The projection with the conv in one kernel (b1; b3 + 1 padding row: the GEMV's four
-    rows at most), and above the GEMV's rows the projection then the conv kernel (b5 + 2)."""
-    check_in_proj_conv_update(geometry, *batch, dtype, torch.float32, TINY_SLOTS, "cpu",
-                              contiguous_state)
 
 
 @interpreted

@@ -52,13 +52,15 @@ from qllm.plugins.pdl import launch_options, use_pdl
 from qllm_kernels_linear.configs import MAX_GEMV_ROWS, GemvConfig, block_m, default_config
 from qllm_kernels_linear.swept import swept_config
 
-@triton.jit
-def gemv_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_xk, stride_wn, offs_m, offs_n,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              WHOLE_K: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr):
-    """``x[offs_m] @ w[offs_n]^T`` (rows past ``M`` / ``N`` masked) -> ``[BM, BN]`` fp32, over
-    all of ``K`` (module docstring); with ``USE_PDL``, the dependents launched and the first
-    weight tile read before the wait, ``x`` after it."""
+# N only bounds the rows, so a new N (divisible by 16 or not) needs no new compile.
+@triton.jit(do_not_specialize=["N"])
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
+                 stride_xm, stride_xk, stride_wn, stride_b, stride_om,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    offs_m = tl.arange(0, BLOCK_M)                                   # [BM]
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)      # [BN]
     offs_k = tl.arange(0, BLOCK_K)                                   # [BK]
     x_ptrs = (x_ptr + offs_m[:, None, None] * stride_xm
               + offs_k[None, None, :] * stride_xk)                   # [BM, 1, BK]
@@ -85,20 +87,7 @@ def gemv_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_xk, stride_wn, offs_m, of
             acc += x.to(tl.float32) * w.to(tl.float32)               # [BM, BN, BK]
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K
-    return tl.sum(acc, axis=2)                                       # [BM, BN]
-
-
-# N only bounds the rows, so a new N (divisible by 16 or not) needs no new compile.
-@triton.jit(do_not_specialize=["N"])
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
-                 stride_xm, stride_xk, stride_wn, stride_b, stride_om,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                 USE_PDL: tl.constexpr):
-    offs_m = tl.arange(0, BLOCK_M)                                   # [BM]
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)      # [BN]
-    out = gemv_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_xk, stride_wn, offs_m, offs_n,
-                    BLOCK_M, BLOCK_N, BLOCK_K, WHOLE_K, NUM_STAGES, USE_PDL)  # [BM, BN]
+    out = tl.sum(acc, axis=2)                                        # [BM, BN]
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n * stride_b, mask=offs_n < N, other=0.0)
         out += bias.to(tl.float32)[None, :]

@@ -40,27 +40,15 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, eps,
     mask = dims < D
     weight = tl.load(weight_ptr + dims, mask=mask, other=0.0).to(tl.float32)  # a parameter
     pdl_wait(USE_PDL)  # x is the previous kernel's output, the residual an earlier one's
-    add_rms_norm_row(x_ptr + row * stride_x, stride_x_part, residual_ptr + row * stride_residual,
-                     weight, out_ptr + row * D, sum_ptr + row * D, eps, dims, mask, D, PARTS,
-                     ZERO_CENTERED, "")
-
-
-@triton.jit
-def add_rms_norm_row(x_ptr, stride_x_part, residual_ptr, weight, out_ptr, sum_ptr, eps, dims,
-                     mask, D, PARTS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                     PARTS_CACHE: tl.constexpr):
-    """One row: ``x``'s ``PARTS`` parts (``stride_x_part`` apart) summed in order in fp32,
-    then the residual row, rounded once -> ``sum_ptr``; its RMSNorm (``weight``: fp32, at
-    ``dims``) -> ``out_ptr``. ``PARTS_CACHE``: the parts' loads' cache modifier (``".cg"``
-    where other programs of the same kernel stored them)."""
-    residual = tl.load(residual_ptr + dims, mask=mask, other=0.0)
-    x = tl.zeros(dims.shape, dtype=tl.float32)
+    residual = tl.load(residual_ptr + row * stride_residual + dims, mask=mask, other=0.0)
+    x = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for part in tl.static_range(PARTS):  # x's parts in order, then the residual, in fp32
-        x += tl.load(x_ptr + part * stride_x_part + dims, mask=mask, other=0.0,
-                     cache_modifier=PARTS_CACHE).to(tl.float32)
+        x += tl.load(x_ptr + row * stride_x + part * stride_x_part + dims, mask=mask,
+                     other=0.0).to(tl.float32)
     summed = (x + residual.to(tl.float32)).to(residual.dtype)  # [D]
-    tl.store(sum_ptr + dims, summed, mask=mask)
-    tl.store(out_ptr + dims, rms_normed(summed, weight, eps, D, ZERO_CENTERED), mask=mask)
+    tl.store(sum_ptr + row * D + dims, summed, mask=mask)
+    out = rms_normed(summed, weight, eps, D, ZERO_CENTERED)
+    tl.store(out_ptr + row * D + dims, out, mask=mask)
 
 
 @triton.jit

@@ -25,12 +25,6 @@ and where) is kept and not swept (delete the field to sweep it). The full sweep 
 better part of an hour; ``--grid quick`` tries fewer tiles; ``--grid decode`` the tiles of
 weight-streaming decode batches.
 
-``--add-norm`` times, at 1 and 4 tokens in CUDA graphs, the experts then the add + norm after
-the block (``fused_moe``, then qllm-kernels-linear's ``add_rms_norm``: two ops, three kernels on
-the slot path) against ``fused_moe_add_rms_norm`` (the down doing the add and the norm), at the
-table's tiles and at other down tiles of the fused kernel (``BLOCK_N`` output columns a
-program; its warps follow ``slot_down_add_norm_warps``).
-
 ``--set-entry TOKENS GEMM=BLOCK_N,BLOCK_K,num_warps,num_stages[,programs_per_sm] ...`` writes
 tiles into one entry by hand (an end-to-end trial of a tile the standalone sweep did not pick;
 the entry becomes untuned), printing the entry it replaced; ``persistent=PROGRAMS_PER_SM``
@@ -41,13 +35,11 @@ there runs the slot path's GEMMs in one persistent kernel.
         --tune [--grid quick|decode] [--tokens 1 2 4 8 ... 4096]
         [--block-m 1 16 32 64 128]
     python plugins/kernels_moe/benchmarks/bench_moe.py --set-entry 1 up=2,2048,4,1
-    python plugins/kernels_moe/benchmarks/bench_moe.py --add-norm
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -62,10 +54,8 @@ from qllm_kernels_moe.align import moe_align
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, config_path, get_config, load_table
 from qllm_kernels_moe.testing import MoeInputs, moe_inputs
 from qllm_kernels_moe.triton_align import moe_align_triton
-from qllm_kernels_moe.triton_moe import (down, fused_moe_add_rms_norm_triton, fused_moe_triton,
-                                         gate_up)
+from qllm_kernels_moe.triton_moe import down, fused_moe_triton, gate_up
 from qllm_kernels_moe.triton_slot_moe import slot_down, slot_gate_up
-from qllm_kernels_moe.triton_slot_moe_norm import slot_down_add_norm_warps
 
 EXPERTS, TOP_K, HIDDEN, INTER, DTYPE = 256, 8, 2048, 512, torch.bfloat16
 PEAK_GBPS = 4300.0
@@ -123,54 +113,6 @@ COLUMNS = [("case", "case", 16, None), ("impl", "impl", 8, None), ("ms", "ms", 9
            ("triton_align_ms", "tr_align", 10, ".4f"), ("gbps", "GB/s", 9, ".1f"),
            ("pct_peak_bw", "%peak", 7, ".1f"), ("tflops", "TFLOP/s", 9, ".1f"),
            ("max_err", "max_err", 9, ".4f")]
-
-
-ADD_NORM_TOKENS = (1, 4)
-ADD_NORM_BLOCK_N = (2, 4, 8, 16)  # the fused down's output columns a program, beside the table's
-
-
-def measure_add_norm(tokens: int, device: str = "cuda") -> list[dict]:
-    """``--add-norm`` at ``tokens`` (module docstring): one row for the two ops, one for the
-    fused op at the table's tiles, one per other ``BLOCK_N``; ``max_err``: the largest
-    difference of the normed output from the two ops'."""
-    from qllm_kernels_linear.ops import add_rms_norm
-
-    inputs = moe_inputs(tokens, EXPERTS, HIDDEN, INTER, TOP_K, DTYPE, device)
-    gen = torch.Generator(device=device).manual_seed(1)
-    residual = torch.randn(tokens, HIDDEN, generator=gen, device=device).to(DTYPE)
-    weight = (torch.randn(HIDDEN, generator=gen, device=device) * 0.2).to(DTYPE)
-    config = get_config(tokens, EXPERTS, 2 * INTER, HIDDEN, TOP_K)
-
-    def two_ops():
-        return add_rms_norm(ops.fused_moe(*inputs), residual, weight, 1e-6, True)
-
-    def fused(down_tiles: GemmConfig):
-        moe_config = dataclasses.replace(config, down=down_tiles)
-        return lambda: fused_moe_add_rms_norm_triton(*inputs, residual, weight, 1e-6, True,
-                                                     config=moe_config)
-
-    reference = two_ops()[0].float()
-    runs = [("fused_moe + add_rms_norm", config.down, two_ops),
-            ("fused, table tiles", config.down, fused(config.down))]
-    runs += [(f"fused, BLOCK_N {block_n}", tiles, fused(tiles))
-             for block_n in ADD_NORM_BLOCK_N if block_n != config.down.BLOCK_N
-             for tiles in [dataclasses.replace(config.down, BLOCK_N=block_n)]]
-    rows = []
-    for name, tiles, run in runs:
-        normed = run()[0].float()
-        fused_warps = slot_down_add_norm_warps(TOP_K + 1, tiles)  # TOP_K routed + the shared
-        rows.append(dict(case=name, tokens=tokens, down_block_n=tiles.BLOCK_N,
-                         down_block_k=tiles.BLOCK_K,
-                         num_warps=tiles.num_warps if run is two_ops else fused_warps,
-                         ms=round(time_ms(run, graph=True), 4),
-                         max_err=round((normed - reference).abs().max().item(), 4)))
-    return rows
-
-
-ADD_NORM_COLUMNS = [("case", "case", 26, None), ("tokens", "tokens", 7, "d"),
-                    ("down_block_n", "BLOCK_N", 8, "d"), ("down_block_k", "BLOCK_K", 8, "d"),
-                    ("num_warps", "warps", 6, "d"), ("ms", "ms", 9, ".4f"),
-                    ("max_err", "max_err", 9, ".4f")]
 
 
 # ----------------------------------------------------------------------------- tuning
@@ -382,8 +324,6 @@ def main() -> None:
     parser.add_argument("--block-m", nargs="+", type=int, default=list(BLOCK_MS),
                         choices=BLOCK_MS, help="BLOCK_M values to try (with --tune; 1: the "
                         "small-batch path); an entry tuned faster on this device is kept")
-    parser.add_argument("--add-norm", action="store_true",
-                        help="the experts with the add + norm after them, fused against not")
     parser.add_argument("--set-entry", nargs="+", metavar="TOKENS GEMM=TILE",
                         help="write tiles into the table's entry for TOKENS, e.g. 1 "
                         "up=2,2048,4,1 (BLOCK_N,BLOCK_K,num_warps,num_stages)")
@@ -395,10 +335,6 @@ def main() -> None:
         return
     if args.tune:
         tune(args.tokens, GRIDS[args.grid], tuple(args.block_m))
-        return
-    if args.add_norm:
-        print_table([row for tokens in ADD_NORM_TOKENS for row in measure_add_norm(tokens)],
-                    ADD_NORM_COLUMNS)
         return
     rows = []
     for name, tokens in CASES.items():

@@ -1,5 +1,5 @@
-"""The Triton fused MoE and router as ``torch.library`` custom ops: ``qllm_moe::fused_moe``,
-``qllm_moe::fused_moe_add_rms_norm`` and ``qllm_moe::moe_router``.
+"""The Triton fused MoE and router as ``torch.library`` custom ops, ``qllm_moe::fused_moe`` and
+``qllm_moe::moe_router``.
 
 A custom op is opaque to ``torch.compile``: its fake implementation gives the output's shape,
 so a ``fullgraph=True`` decode graph (with a symbolic batch size) stays whole and calls the
@@ -30,27 +30,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 @fused_moe.register_fake
 def _fused_moe_fake(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2):
     return x.new_empty(x.shape[0], topk_ids.shape[1], x.shape[1])
-
-
-@torch.library.custom_op("qllm_moe::fused_moe_add_rms_norm", mutates_args=())
-def fused_moe_add_rms_norm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                           topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                           shared_w13: torch.Tensor, shared_w2: torch.Tensor,
-                           residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                           zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fused_moe``, then the residual add and RMSNorm of its slots -> ``(normed, summed)``,
-    both ``[T, H]``; the contract of qllm's ``fused_moe_add_rms_norm`` op (plain-torch
-    reference in ``qllm.ops.moe``)."""
-    from qllm_kernels_moe.triton_moe import fused_moe_add_rms_norm_triton
-
-    return fused_moe_add_rms_norm_triton(x, w13, w2, topk_weights, topk_ids, shared_w13,
-                                         shared_w2, residual, norm_weight, eps, zero_centered)
-
-
-@fused_moe_add_rms_norm.register_fake
-def _fused_moe_add_rms_norm_fake(x, w13, w2, topk_weights, topk_ids, shared_w13, shared_w2,
-                                 residual, norm_weight, eps, zero_centered):
-    return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
 
 
 @torch.library.custom_op("qllm_moe::moe_router", mutates_args=())

@@ -1,7 +1,7 @@
-"""qllm plugin entry point: registers the Triton ``fused_moe``, ``fused_moe_add_rms_norm`` and
-``moe_router`` through ``qllm_kernels``.
+"""qllm plugin entry point: registers the Triton ``fused_moe`` and ``moe_router`` through
+``qllm_kernels``.
 
-``triton`` (priority 10, above the plain-torch references' 0) serves the three ops on CUDA in
+``triton`` (priority 10, above the plain-torch references' 0) serves both ops on CUDA in
 fp16/bf16 when Triton is importable.
 """
 
@@ -15,9 +15,6 @@ from qllm_kernels_moe import ops
 @hookimpl
 def qllm_kernels():
     return [KernelSpec(op="fused_moe", name="triton", fn=ops.fused_moe, priority=10,
-                       is_available=triton_on_cuda()),
-            KernelSpec(op="fused_moe_add_rms_norm", name="triton",
-                       fn=ops.fused_moe_add_rms_norm, priority=10,
                        is_available=triton_on_cuda()),
             KernelSpec(op="moe_router", name="triton", fn=ops.moe_router, priority=10,
                        is_available=triton_on_cuda())]

@@ -19,9 +19,6 @@ slots, slot ``t * k + j``; the model's last slot per token is the shared expert'
 Every launch size follows from the shapes (blocks past ``num_blocks`` exit at once), so the
 whole op is free of host syncs and capturable in a CUDA graph. A table entry with ``BLOCK_M``
 1 takes the small-batch path of ``triton_slot_moe`` instead: one program per slot, no sort.
-There the ``fused_moe_add_rms_norm`` op's down also sums the slots, adds the residual and
-computes the norm (``triton_slot_moe_norm``); elsewhere that op is this one, then the
-``add_rms_norm`` kernel.
 """
 
 from __future__ import annotations
@@ -30,13 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from qllm_kernels_linear.triton_norm import add_rms_norm
 from qllm_kernels_moe.align import SortedSlots
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig, get_config
 from qllm_kernels_moe.triton_align import moe_align_triton
-from qllm_kernels_moe.triton_slot_moe import (slot_down, slot_gate_up, slot_moe,
-                                              slot_moe_add_norm)
-from qllm_kernels_moe.triton_slot_moe_norm import slot_down_add_norm
+from qllm_kernels_moe.triton_slot_moe import slot_down, slot_gate_up, slot_moe
 
 
 @triton.jit
@@ -167,80 +161,9 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     and ``shared_w2 [H, I]``, ``topk_weights`` / ``topk_ids [T, k]`` -> each slot's expert
     output times its routing weight, ``[T, k, H]`` in ``x.dtype``. ``config`` defaults to the
     table entry for ``T``."""
-    _check_weights(x, w13, w2, shared_w13, shared_w2)
-    if x.shape[0] == 0:
-        return x.new_zeros(0, topk_ids.shape[1], x.shape[1])
-    return _fused_moe(*_kernel_layout(x, topk_weights, topk_ids), w13, w2, shared_w13,
-                      shared_w2, config or _table_config(x, w13, topk_ids.shape[1]))
-
-
-def _fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-               w13: torch.Tensor, w2: torch.Tensor, shared_w13: torch.Tensor,
-               shared_w2: torch.Tensor, config: MoeConfig) -> torch.Tensor:
-    """``fused_moe_triton`` for checked weights, at least one token, inputs in
-    ``_kernel_layout``."""
     tokens, hidden_size = x.shape
-    top_k = topk_ids.shape[1]
-    if config.BLOCK_M == 1:
-        if config.persistent_programs_per_sm:
-            expert_out = slot_moe(x, w13, w2, shared_w13, shared_w2, topk_weights, topk_ids,
-                                  config)
-        else:
-            hidden = slot_gate_up(x, w13, shared_w13, topk_ids, config.up)  # [S, I]
-            expert_out = slot_down(hidden, w2, shared_w2, topk_weights, topk_ids, config.down)
-        return expert_out.view(tokens, top_k, hidden_size)
-    sorted_slots = moe_align_triton(topk_ids, w13.shape[0] + 1, config.BLOCK_M)
-    hidden = gate_up(x, w13, shared_w13, sorted_slots, top_k, config.BLOCK_M,
-                     config.up)  # [S, I]
-    expert_out = down(hidden, w2, shared_w2, topk_weights, sorted_slots,
-                      config.BLOCK_M, config.down)  # [S, H]
-    return expert_out.view(tokens, top_k, hidden_size)
-
-
-def fused_moe_add_rms_norm_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                                  shared_w13: torch.Tensor, shared_w2: torch.Tensor,
-                                  residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                                  zero_centered: bool, config: MoeConfig | None = None
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fused_moe_triton``'s slots summed with ``residual [T, H]``, then RMSNorm (weight
-    ``norm_weight [H]``) -> ``(normed, summed)``, ``[T, H]`` each, the contract of the
-    plain-torch ``fused_moe_add_rms_norm``. On the slot path (``BLOCK_M`` 1) the down computes
-    the add and the norm too (``triton_slot_moe_norm``), or the persistent kernel's last
-    program; elsewhere ``fused_moe_triton``, then qllm-kernels-linear's ``add_rms_norm``
-    kernel."""
-    _check_weights(x, w13, w2, shared_w13, shared_w2)
-    if x.shape[0] == 0:
-        return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
-    config = config or _table_config(x, w13, topk_ids.shape[1])
-    x, topk_weights, topk_ids = _kernel_layout(x, topk_weights, topk_ids)
-    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
-    norm = (residual, norm_weight, eps, zero_centered)
-    if config.BLOCK_M != 1:
-        slots = _fused_moe(x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2,
-                           config)  # [T, k, H]
-        return add_rms_norm(slots, *norm)
-    if config.persistent_programs_per_sm:
-        return slot_moe_add_norm(x, w13, w2, shared_w13, shared_w2, topk_weights, topk_ids,
-                                 *norm, config)
-    hidden = slot_gate_up(x, w13, shared_w13, topk_ids, config.up)  # [S, I]
-    return slot_down_add_norm(hidden, w2, shared_w2, topk_weights, topk_ids, *norm,
-                              config.down)
-
-
-def _kernel_layout(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` with a unit last stride and the routing contiguous, as the kernels read them."""
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    return x, topk_weights.contiguous(), topk_ids.contiguous()
-
-
-def _check_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   shared_w13: torch.Tensor, shared_w2: torch.Tensor) -> None:
-    """Raises ``ValueError`` unless the weights are the kernels' ``[E, 2I, H]`` and ``[E, H,
-    I]`` stacks (and the shared expert's one of each) for ``x [T, H]``, rows contiguous."""
     num_experts, gate_up_rows, _ = w13.shape
-    hidden_size = x.shape[1]
+    top_k = topk_ids.shape[1]
     if (w13.shape[2] != hidden_size or w2.shape != (num_experts, hidden_size, gate_up_rows // 2)
             or shared_w13.shape != w13.shape[1:] or shared_w2.shape != w2.shape[1:]
             or any(w.stride()[-2:] != (w.shape[-1], 1) for w in (w13, w2, shared_w13, shared_w2))):
@@ -249,9 +172,23 @@ def _check_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             f"{tuple(w2.shape)} strides {w2.stride()}, shared {tuple(shared_w13.shape)} and "
             f"{tuple(shared_w2.shape)} for x {tuple(x.shape)}; expected [E, 2I, H] and "
             "[E, H, I] with contiguous rows, and one expert's [2I, H] and [H, I]")
-
-
-def _table_config(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> MoeConfig:
-    """The table entry for ``x``'s token count through ``w13 [E, 2I, H]``."""
-    num_experts, gate_up_rows, hidden_size = w13.shape
-    return get_config(x.shape[0], num_experts, gate_up_rows, hidden_size, top_k)
+    if tokens == 0:
+        return x.new_zeros(tokens, top_k, hidden_size)
+    if config is None:
+        config = get_config(tokens, num_experts, gate_up_rows, hidden_size, top_k)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
+    if config.BLOCK_M == 1:
+        if config.persistent_programs_per_sm:
+            expert_out = slot_moe(x, w13, w2, shared_w13, shared_w2, topk_weights, topk_ids,
+                                  config)
+        else:
+            hidden = slot_gate_up(x, w13, shared_w13, topk_ids, config.up)  # [S, I]
+            expert_out = slot_down(hidden, w2, shared_w2, topk_weights, topk_ids, config.down)
+        return expert_out.view(tokens, top_k, hidden_size)
+    sorted_slots = moe_align_triton(topk_ids, num_experts + 1, config.BLOCK_M)
+    hidden = gate_up(x, w13, shared_w13, sorted_slots, top_k, config.BLOCK_M,
+                     config.up)  # [S, I]
+    expert_out = down(hidden, w2, shared_w2, topk_weights, sorted_slots,
+                      config.BLOCK_M, config.down)  # [S, H]
+    return expert_out.view(tokens, top_k, hidden_size)

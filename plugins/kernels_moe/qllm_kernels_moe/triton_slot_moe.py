@@ -20,9 +20,7 @@ entry with ``BLOCK_M == 1``) with ``x [T, H]``, ``topk_ids [T, k]`` (``S = T * k
    after the other: 10.7 us per layer at W3's one token, 1.65 TB/s.)
 
 Or, with the config's ``persistent_programs_per_sm``, both in one persistent kernel
-(``slot_moe``; ``slot_moe_add_norm``: its last program also sums each token's slots with the
-residual and applies the RMSNorm after the block, as ``triton_slot_moe_norm`` does for the
-two kernels): every program resident at once, each takes gate-up tiles, then down tiles, in
+(``slot_moe``): every program resident at once, each takes gate-up tiles, then down tiles, in
 one round-robin; a down tile reads its weights, then waits for its slot's gate-up tiles (a
 counter per slot, release / acquire atomics), so the down's weights stream while the gate-up's
 last tiles run. Two kernels cannot do that: the down's programs launch only once every
@@ -57,12 +55,11 @@ import triton.language as tl
 
 from qllm.plugins.devices import multiprocessors, resident_programs_per_sm
 from qllm.plugins.pdl import pdl_arguments, pdl_release, pdl_wait
-from qllm_kernels_linear.triton_norm import add_rms_norm_row
 from qllm_kernels_moe.configs import GemmConfig, MoeConfig
 
 
 @triton.jit
-def expert_rows(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert, offsets):
+def _expert_rows(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert, offsets):
     """Pointers to ``offsets`` in expert ``expert``'s weights (``num_experts``: the shared
     expert's, ``shared_w``)."""
     shared = expert == num_experts
@@ -82,7 +79,7 @@ def _weight_tiles(w_ptr, shared_w_ptr, expert, first_row, num_experts, N, K, str
     row_mask = rows < N
     ks = tl.arange(0, BLOCK_K)
     first = row_mask[:, None] & (ks < K)[None, :]  # [BN, BK]
-    w_ptrs = expert_rows(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert,
+    w_ptrs = _expert_rows(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert,
                           rows[:, None] * stride_w_row + ks[None, :])
     tile = tl.load(w_ptrs, mask=first, other=0.0)
     up_tile = tile
@@ -124,7 +121,7 @@ def _first_weight_tiles(w_ptr, shared_w_ptr, ids_ptr, slot, first_row, num_exper
         pdl_wait(USE_PDL)  # the ids are the router's output
         pdl_release(USE_PDL)  # after the wait: the next kernel reads the ids before its own
         expert = tl.load(ids_ptr + slot)
-        w_ptrs = expert_rows(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert,
+        w_ptrs = _expert_rows(w_ptr, shared_w_ptr, expert, num_experts, stride_w_expert,
                               offsets)
         late = first & ~(guess & (expert == num_experts))
         tile = tl.load(w_ptrs, mask=late, other=early)
@@ -248,11 +245,11 @@ def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr, num_ex
 
 
 @triton.jit
-def down_dots(hidden_ptr, routing_weights_ptr, slot, row_mask, ks, w_ptrs, w, K,
-               BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr):
-    """``routing_weights[slot] * (hidden[slot] . w rows)``, ``[BN]`` in fp32, from the rows'
-    first ``BLOCK_K`` columns already loaded (``w [BN, BK]``, ``w_ptrs`` at them), the rest
-    read here."""
+def _down_rows(hidden_ptr, routing_weights_ptr, out_ptr, slot, rows, row_mask, ks, w_ptrs, w,
+               N, K, BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr):
+    """``out[slot, rows] = round(routing_weights[slot] * (hidden[slot] . w rows))`` from the
+    rows' first ``BLOCK_K`` columns already loaded (``w [BN, BK]``, ``w_ptrs`` at them), the
+    rest read here."""
     h_ptrs = hidden_ptr + slot * K + ks  # [BK]
     h = tl.load(h_ptrs, mask=ks < K, other=0.0).to(tl.float32)[None, :]  # [1, BK]
     if WHOLE_K:  # reduced at once: no [BN, BK] fp32 accumulator (half the registers), so
@@ -268,16 +265,7 @@ def down_dots(hidden_ptr, routing_weights_ptr, slot, row_mask, ks, w_ptrs, w, K,
             w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             acc += w.to(tl.float32) * h
         dots = tl.sum(acc, axis=1)
-    return dots * tl.load(routing_weights_ptr + slot).to(tl.float32)
-
-
-@triton.jit
-def _down_rows(hidden_ptr, routing_weights_ptr, out_ptr, slot, rows, row_mask, ks, w_ptrs, w,
-               N, K, BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr):
-    """``out[slot, rows] = round(routing_weights[slot] * (hidden[slot] . w rows))`` as
-    ``down_dots``."""
-    out = down_dots(hidden_ptr, routing_weights_ptr, slot, row_mask, ks, w_ptrs, w, K,
-                     BLOCK_K, WHOLE_K)
+    out = dots * tl.load(routing_weights_ptr + slot).to(tl.float32)
     tl.store(out_ptr + slot * N + rows, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
@@ -298,23 +286,6 @@ def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weights_
                N, K, BLOCK_K, WHOLE_K)
 
 
-@triton.jit
-def _slots_add_norm(out_ptr, residual_ptr, norm_weight_ptr, normed_ptr, summed_ptr, eps,
-                    tokens, H, stride_residual, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                    ZERO_CENTERED: tl.constexpr):
-    """Per token ``t``: its slots' outputs ``out[t * TOP_K + j]`` (other programs' stores,
-    read past the L1 cache) summed in slot order in fp32 with ``residual[t]``, rounded ->
-    ``summed[t]``, and its RMSNorm -> ``normed[t]``, as the ``add_rms_norm`` op's kernel
-    computes a row (``triton_norm.add_rms_norm_row``)."""
-    dims = tl.arange(0, BLOCK_D)
-    mask = dims < H
-    weight = tl.load(norm_weight_ptr + dims, mask=mask, other=0.0).to(tl.float32)
-    for token in range(tokens):
-        add_rms_norm_row(out_ptr + token * TOP_K * H, H, residual_ptr + token * stride_residual,
-                         weight, normed_ptr + token * H, summed_ptr + token * H, eps, dims,
-                         mask, H, TOP_K, ZERO_CENTERED, ".cg")
-
-
 RESET_BLOCK = tl.constexpr(128)  # counters the persistent kernel zeroes per store
 
 
@@ -322,21 +293,17 @@ RESET_BLOCK = tl.constexpr(128)  # counters the persistent kernel zeroes per sto
 def _slot_moe_kernel(x_ptr, w13_ptr, shared_w13_ptr, w2_ptr, shared_w2_ptr, ids_ptr,
                      routing_weights_ptr, hidden_ptr, out_ptr, counters_ptr, num_experts, tokens,
                      I, H, stride_x_row, stride_w13_expert, stride_w13_row, stride_w2_expert,
-                     stride_w2_row, residual_ptr, norm_weight_ptr, normed_ptr, summed_ptr, eps,
-                     stride_residual, TOP_K: tl.constexpr, UP_BLOCK_N: tl.constexpr,
+                     stride_w2_row, TOP_K: tl.constexpr, UP_BLOCK_N: tl.constexpr,
                      UP_BLOCK_K: tl.constexpr, UP_WHOLE_K: tl.constexpr,
                      DOWN_BLOCK_N: tl.constexpr, DOWN_BLOCK_K: tl.constexpr,
-                     DOWN_WHOLE_K: tl.constexpr, ADD_NORM: tl.constexpr,
-                     BLOCK_D: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     DOWN_WHOLE_K: tl.constexpr, USE_PDL: tl.constexpr):
     """Both GEMMs in one persistent grid of ``G`` programs, every one resident at once (the
     launcher's bound): the gate-up's tiles (``_gate_up_tiles``, looped), then the down's, the
     tiles of both numbered as one round-robin sequence, so a program that runs out of gate-up
     tiles starts on the down's at once. A down tile reads its weights, then waits for its
     slot's gate-up tiles (``counters[slot]``), then reads the slot's ``hidden`` row. The last
     program to finish zeroes ``counters[:S + 1]`` (``counters[S]`` counts the programs done),
-    so every launch finds them zero; with ``ADD_NORM`` it first sums each token's slot
-    outputs with its residual row and normalises it (``_slots_add_norm``)."""
+    so every launch finds them zero."""
     _gate_up_tiles(x_ptr, w13_ptr, shared_w13_ptr, ids_ptr, hidden_ptr, counters_ptr,
                    num_experts, tokens, I, H, stride_x_row, stride_w13_expert, stride_w13_row,
                    TOP_K, UP_BLOCK_N, UP_BLOCK_K, UP_WHOLE_K, LOOPED=True, PERSISTENT=True,
@@ -357,13 +324,8 @@ def _slot_moe_kernel(x_ptr, w13_ptr, shared_w13_ptr, w2_ptr, shared_w2_ptr, ids_
         _await_slot(counters_ptr, slot, up_blocks)
         _down_rows(hidden_ptr, routing_weights_ptr, out_ptr, slot, rows, row_mask, ks, w_ptrs,
                    w, H, I, DOWN_BLOCK_K, DOWN_WHOLE_K)
-    if ADD_NORM:
-        tl.debug_barrier()  # every thread's down stores ordered before the count
     done = tl.atomic_add(counters_ptr + num_slots, 1, sem="acq_rel")
     if done == programs - 1:
-        if ADD_NORM:
-            _slots_add_norm(out_ptr, residual_ptr, norm_weight_ptr, normed_ptr, summed_ptr,
-                            eps, tokens, H, stride_residual, TOP_K, BLOCK_D, ZERO_CENTERED)
         for first in range(0, num_slots + 1, RESET_BLOCK):
             entries = first + tl.arange(0, RESET_BLOCK)
             tl.store(counters_ptr + entries, tl.zeros([RESET_BLOCK], tl.int32),
@@ -416,18 +378,17 @@ _counters: dict[torch.device, list[torch.Tensor]] = {}
 _resident: dict[tuple, int] = {}  # launch key -> programs one multiprocessor holds
 
 
-def slot_counters(device: torch.device, count: int) -> torch.Tensor:
-    """The slot kernels' counters on ``device``, int32, more than ``count`` of them (the
-    persistent kernel's: one per slot, then the programs done; ``triton_slot_moe_norm``'s: one
-    per token): zero between launches (each launch's last program zeroes those it used), grown
-    (doubled) outside CUDA graph captures only."""
+def _slot_counters(device: torch.device, num_slots: int) -> torch.Tensor:
+    """The persistent kernel's counters on ``device``, int32, at least ``num_slots + 1`` (one
+    per slot, then the programs done): zero between launches (each launch's last program
+    zeroes them), grown (doubled) outside CUDA graph captures only."""
     buffers = _counters.setdefault(device, [])
-    if not buffers or buffers[-1].numel() <= count:
+    if not buffers or buffers[-1].numel() <= num_slots:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"the slot MoE kernels need {count + 1} counters before this "
-                               f"CUDA graph capture: run the op at this token count once "
-                               f"outside it first")
-        size = max(256, 2 * (count + 1))
+            raise RuntimeError(f"the persistent slot MoE needs counters for {num_slots} slots "
+                               f"before this CUDA graph capture: run the op at this token "
+                               f"count once outside it first")
+        size = max(256, 2 * (num_slots + 1))
         buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
     return buffers[-1]
 
@@ -454,55 +415,23 @@ def slot_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, shared_w13: t
     ``topk_weights`` / ``topk_ids [T, k]`` contiguous -> ``expert_out [T * k, H]`` as
     ``slot_down``'s, with ``config.persistent_programs_per_sm`` programs per multiprocessor at
     most."""
-    out = x.new_empty(topk_ids.numel(), x.shape[1])
-    _launch_slot_moe(x, w13, w2, shared_w13, shared_w2, topk_weights, topk_ids, out, config)
-    return out
-
-
-def slot_moe_add_norm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                      shared_w13: torch.Tensor, shared_w2: torch.Tensor,
-                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                      residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                      zero_centered: bool, config: MoeConfig
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``slot_moe``, its last program then summing each token's slots with ``residual [T, H]``
-    (unit last stride) and normalising the sum -> ``(normed, summed)``, ``[T, H]`` each, as
-    the ``fused_moe_add_rms_norm`` op."""
-    tokens, hidden_size = residual.shape
-    out = x.new_empty(topk_ids.numel(), hidden_size)  # the slots' outputs, read back
-    normed, summed = residual.new_empty(tokens, hidden_size), residual.new_empty(tokens,
-                                                                                 hidden_size)
-    _launch_slot_moe(x, w13, w2, shared_w13, shared_w2, topk_weights, topk_ids, out, config,
-                     (residual, norm_weight, normed, summed, eps, zero_centered))
-    return normed, summed
-
-
-def _launch_slot_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                     shared_w13: torch.Tensor, shared_w2: torch.Tensor,
-                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
-                     config: MoeConfig, add_norm: tuple | None = None) -> None:
-    """The persistent kernel's launch, writing the slots' outputs into ``out [T * k, H]``;
-    ``add_norm``: ``(residual, norm_weight, normed, summed, eps, zero_centered)`` of
-    ``slot_moe_add_norm``."""
     tokens, top_k = topk_ids.shape
     num_slots, inter, hidden_size = tokens * top_k, w2.shape[2], x.shape[1]
     hidden = x.new_empty(num_slots, inter)
-    residual, norm_weight, normed, summed, eps, zero_centered = add_norm or (None,) * 4 + (
-        0.0, False)
+    out = x.new_empty(num_slots, hidden_size)
     up, down = config.up, config.down
     args = (x, w13, shared_w13, w2, shared_w2, topk_ids, topk_weights, hidden, out,
-            slot_counters(x.device, num_slots), w13.shape[0], tokens, inter, hidden_size,
-            x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1), residual,
-            norm_weight, normed, summed, eps, 0 if residual is None else residual.stride(0))
+            _slot_counters(x.device, num_slots), w13.shape[0], tokens, inter, hidden_size,
+            x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1))
     kwargs = dict(TOP_K=top_k, UP_BLOCK_N=up.BLOCK_N, UP_BLOCK_K=up.BLOCK_K,
                   UP_WHOLE_K=up.BLOCK_K >= hidden_size, DOWN_BLOCK_N=down.BLOCK_N,
                   DOWN_BLOCK_K=down.BLOCK_K, DOWN_WHOLE_K=down.BLOCK_K >= inter,
-                  ADD_NORM=add_norm is not None, BLOCK_D=triton.next_power_of_2(hidden_size),
-                  ZERO_CENTERED=zero_centered, num_warps=up.num_warps,
-                  num_stages=up.num_stages, **pdl_arguments(x.device, tokens))
+                  num_warps=up.num_warps, num_stages=up.num_stages,
+                  **pdl_arguments(x.device, tokens))
     launch_key = (x.device, x.dtype, tokens, tuple(kwargs.items()))
     up_tiles = num_slots * triton.cdiv(inter, up.BLOCK_N)
     programs = min(up_tiles, _persistent_programs(launch_key, x.device,
                                                   config.persistent_programs_per_sm, args,
                                                   kwargs))
     _slot_moe_kernel[(programs,)](*args, **kwargs)
+    return out

@@ -102,36 +102,9 @@ def check_parity(inputs: MoeInputs, config: MoeConfig | None = None) -> None:
     _assert_close(out, _reference(inputs), inputs.x.dtype)
 
 
-def norm_inputs(inputs: MoeInputs, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """A residual ``[T, H]`` and a zero-centred norm weight ``[H]`` for ``inputs``."""
-    gen = torch.Generator(device=inputs.x.device).manual_seed(seed)
-    residual = torch.randn(inputs.x.shape, generator=gen, device=inputs.x.device)
-    weight = torch.randn(inputs.x.shape[1], generator=gen, device=inputs.x.device) * 0.2
-    return residual.to(inputs.x.dtype), weight.to(inputs.x.dtype)
-
-
-def check_add_norm_parity(inputs: MoeInputs, config: MoeConfig | None = None) -> None:
-    """``fused_moe_add_rms_norm`` through the custom op (table config) or the launcher with a
-    forced config, against the plain-torch op in fp32 on the same (rounded) inputs."""
-    from qllm_kernels_moe.triton_moe import fused_moe_add_rms_norm_triton
-
-    residual, weight = norm_inputs(inputs)
-    args = (*inputs, residual, weight, 1e-6, True)
-    out = (ops.fused_moe_add_rms_norm(*args) if config is None
-           else fused_moe_add_rms_norm_triton(*args, config=config))
-    expected = reference.fused_moe_add_rms_norm(
-        *(t if t.dtype == torch.int64 else t.float() for t in (*inputs, residual, weight)),
-        1e-6, True)
-    for got, want in zip(out, expected, strict=True):
-        _assert_close(got, want, inputs.x.dtype)
-
-
 def opcheck_op(device: str, dtype: torch.dtype) -> None:
     """``torch.library.opcheck`` (schema, fake tensor, AOT dispatch) on the custom ops."""
-    inputs = moe_inputs(9, 8, 32, 16, 2, dtype, device)
-    torch.library.opcheck(ops.fused_moe, tuple(inputs))
-    torch.library.opcheck(ops.fused_moe_add_rms_norm,
-                          (*inputs, *norm_inputs(inputs), 1e-6, True))
+    torch.library.opcheck(ops.fused_moe, tuple(moe_inputs(9, 8, 32, 16, 2, dtype, device)))
     torch.library.opcheck(ops.moe_router, (router_logits(9, 16, dtype, device), 4, True))
 
 
@@ -231,7 +204,7 @@ def test_persistent_slot_moe_replayed(per_sm):
     equals the same kernel run eagerly (all its down tiles waited for their slots), and leaves
     its counters zero for the next."""
     from qllm_kernels_moe.triton_moe import fused_moe_triton
-    from qllm_kernels_moe.triton_slot_moe import slot_counters
+    from qllm_kernels_moe.triton_slot_moe import _slot_counters
 
     experts, top_k, hidden, inter = GPU_SHAPES["35b-a3b"]
     config = MoeConfig(1, GemmConfig(1, 2048, num_warps=4, num_stages=1),
@@ -248,51 +221,7 @@ def test_persistent_slot_moe_replayed(per_sm):
             getattr(inputs, name).copy_(getattr(new, name))
         graph.replay()
         assert torch.equal(out, fused_moe_triton(*inputs, config=config)), f"replay {seed}"
-    assert not slot_counters(inputs.x.device, 0).any()
-
-
-@cuda
-@pytest.mark.parametrize("tokens", [1, 4, 64])
-def test_add_norm_parity(tokens):
-    """``fused_moe_add_rms_norm`` at Qwen3.5-35B-A3B's shape: the slot path's down with the
-    add and the norm (1 and 4 tokens), the sorted path then the ``add_rms_norm`` kernel (64)."""
-    experts, top_k, hidden, inter = GPU_SHAPES["35b-a3b"]
-    check_add_norm_parity(moe_inputs(tokens, experts, hidden, inter, top_k, device="cuda"))
-
-
-@cuda
-@pytest.mark.parametrize("persistent", [False, True], ids=["two-kernels", "persistent"])
-def test_add_norm_replayed(persistent):
-    """The slot down with the add and the norm (a token's programs counting themselves done,
-    its last normalising the row), or the persistent kernel's last program doing both, at one
-    token, captured once and replayed with new routing and residuals: every replay equals the
-    op run eagerly and leaves the counters zero."""
-    from qllm_kernels_moe.triton_moe import fused_moe_add_rms_norm_triton
-    from qllm_kernels_moe.triton_slot_moe import slot_counters
-
-    experts, top_k, hidden, inter = GPU_SHAPES["35b-a3b"]
-    inputs = moe_inputs(1, experts, hidden, inter, top_k, device="cuda")
-    residual, weight = norm_inputs(inputs)
-    args = (*inputs, residual, weight, 1e-6, True)
-    config = MoeConfig(1, GemmConfig(1, 2048, num_warps=4, num_stages=1),
-                       GemmConfig(4, 512), 8) if persistent else None
-
-    def op():
-        return fused_moe_add_rms_norm_triton(*args, config=config)
-
-    check_add_norm_parity(inputs, config)  # compiles, creates the counters
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        normed, summed = op()
-    for seed in range(1, 21):
-        new = moe_inputs(1, experts, hidden, inter, top_k, device="cuda", seed=seed)
-        for name in ("x", "topk_weights", "topk_ids"):
-            getattr(inputs, name).copy_(getattr(new, name))
-        residual.copy_(norm_inputs(new, seed)[0])
-        graph.replay()
-        eager = op()
-        assert torch.equal(normed, eager[0]) and torch.equal(summed, eager[1]), f"replay {seed}"
-    assert not slot_counters(inputs.x.device, 0).any()
+    assert not _slot_counters(inputs.x.device, 0).any()
 
 
 @cuda
@@ -308,27 +237,22 @@ def test_compiled_decode_matches_eager():
 
 
 @cuda
-@pytest.mark.parametrize("step", ["router", "fused_moe", "router+fused_moe",
-                                  "fused_moe_add_rms_norm"])
+@pytest.mark.parametrize("step", ["router", "fused_moe", "router+fused_moe"])
 def test_pdl_decode_in_cuda_graph(step, monkeypatch):
     """With ``QLLM_PDL`` on, at one token of Qwen3.5-35B-A3B (the slot path): the router, the
-    experts (gate-up then down), the router feeding the experts, and the experts with the add
-    and norm after them, eagerly and in a CUDA graph replayed 100 times, give the bits of PDL
-    off."""
+    experts (gate-up then down), and the router feeding the experts, eagerly and in a CUDA
+    graph replayed 100 times, give the bits of PDL off."""
     require_pdl_gpu()
     experts, top_k, hidden, inter = GPU_SHAPES["35b-a3b"]
     inputs = moe_inputs(1, experts, hidden, inter, top_k, device="cuda")
     logits = router_logits(1, experts, torch.bfloat16, "cuda")  # [1, E + 1]
-    residual, norm_weight = norm_inputs(inputs)  # drawn before the capture
 
     def routed() -> torch.Tensor:
         weights, ids = ops.moe_router(logits, top_k, True)  # [1, k + 1] each
         return ops.fused_moe(*inputs._replace(topk_weights=weights, topk_ids=ids))
 
     steps = {"router": lambda: ops.moe_router(logits, top_k, True),
-             "fused_moe": lambda: ops.fused_moe(*inputs), "router+fused_moe": routed,
-             "fused_moe_add_rms_norm": lambda: ops.fused_moe_add_rms_norm(
-                 *inputs, residual, norm_weight, 1e-6, True)}
+             "fused_moe": lambda: ops.fused_moe(*inputs), "router+fused_moe": routed}
     assert_graph_bits_equal(steps[step], monkeypatch)
 
 
@@ -426,16 +350,16 @@ def test_max_padded_slots_is_reached():
 
 
 def test_slot_counters_grow_keeping_the_old_buffer():
-    """The slot kernels' counters grow (doubled) when a launch needs more, and the buffer
+    """The persistent kernel's counters grow (doubled) when a launch needs more, and the buffer
     before stays alive: CUDA graphs captured before the growth still point at it."""
-    from qllm_kernels_moe.triton_slot_moe import _counters, slot_counters
+    from qllm_kernels_moe.triton_slot_moe import _counters, _slot_counters
 
     device = torch.device("meta")  # a device of its own, away from the other tests' buffers
-    first = slot_counters(device, 3)
-    assert first.numel() == 256 and slot_counters(device, 255) is first
-    grown = slot_counters(device, 256)
+    first = _slot_counters(device, 3)
+    assert first.numel() == 256 and _slot_counters(device, 255) is first
+    grown = _slot_counters(device, 256)
     assert grown.numel() == 514 and grown is not first
-    assert _counters[device][0] is first and slot_counters(device, 9) is grown
+    assert _counters[device][0] is first and _slot_counters(device, 9) is grown
 
 
 def test_config_table():
@@ -510,10 +434,9 @@ def _meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 
 def _pdl_launch(op: str):
     """The launch of the router or of the experts (the slot path: gate-up, then down, or
-    ``fused_moe-persistent``, both in one kernel; ``fused_moe_add_rms_norm``, the down with the
-    add and the norm, or ``-persistent``, the one kernel with them) at one token of
-    Qwen3.5-35B-A3B, on ``meta`` tensors."""
-    from qllm_kernels_moe.triton_moe import fused_moe_add_rms_norm_triton, fused_moe_triton
+    ``fused_moe-persistent``, both in one kernel) at one token of Qwen3.5-35B-A3B, on ``meta``
+    tensors."""
+    from qllm_kernels_moe.triton_moe import fused_moe_triton
     from qllm_kernels_moe.triton_router import moe_router_triton
 
     experts, top_k, hidden, inter = GPU_SHAPES["35b-a3b"]
@@ -524,26 +447,21 @@ def _pdl_launch(op: str):
                        _meta(1, top_k + 1, dtype=torch.int64), _meta(2 * inter, hidden),
                        _meta(hidden, inter))
     config = MoeConfig(1, GemmConfig(1, 2048, num_stages=1), GemmConfig(4, 512), 8) \
-        if op.endswith("persistent") else None
-    if op.startswith("fused_moe_add_rms_norm"):
-        return lambda: fused_moe_add_rms_norm_triton(*inputs, _meta(1, hidden), _meta(hidden),
-                                                     1e-6, True, config=config)
+        if op == "fused_moe-persistent" else None
     return lambda: fused_moe_triton(*inputs, config=config)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("op", ["router", "fused_moe", "fused_moe-persistent",
-                                "fused_moe_add_rms_norm", "fused_moe_add_rms_norm-persistent"])
+@pytest.mark.parametrize("op", ["router", "fused_moe", "fused_moe-persistent"])
 def test_pdl_sass(op, monkeypatch):
     """The router's kernel and the slot path's two, compiled for sm_90 as launched: with PDL
     each waits before any store, the router at entry, the gate-up after reading the shared
     expert's first tile, and it lets the down launch only after its wait (the persistent
-    kernel, as the gate-up); the down reads its ids and weights first, and so does the down
-    with the add and norm, which also releases only after its wait
-    (``qllm.testing.pdl.assert_pdl_sass``); without, no grid-dependency-control instruction."""
+    kernel, as the gate-up); the down reads its ids and weights first
+    (``qllm.testing.pdl.assert_pdl_sass``); without, no grid-dependency-control
+    instruction."""
     assert_pdl_sass(_pdl_launch(op), monkeypatch, reads_before_wait=op != "router",
-                    releases_after_wait={"_slot_gate_up_kernel", "_slot_moe_kernel",
-                                         "_slot_down_add_norm_kernel"})
+                    releases_after_wait={"_slot_gate_up_kernel", "_slot_moe_kernel"})
 
 
 test_triton_interpreter = interpreter_driver(__file__)
@@ -596,26 +514,6 @@ def test_interpreted_slot_path_shared_expert_not_last(case, config):
     inputs = inputs._replace(topk_weights=inputs.topk_weights[:, order].contiguous(),
                              topk_ids=inputs.topk_ids[:, order].contiguous())
     check_parity(inputs, {**TINY_CONFIGS, **LOOPED_CONFIGS}[config])
-
-
-@interpreted
-@pytest.mark.parametrize("config,dtype", [
-    pytest.param("m1", torch.bfloat16, id="m1-bf16"),
-    pytest.param("m1-whole-k", torch.bfloat16, id="m1-whole-k-bf16"),
-    pytest.param("m1-whole-k", torch.float32, id="m1-whole-k-fp32"),
-    pytest.param("m1-persistent", torch.float32, id="m1-persistent-fp32"),
-    pytest.param("m1-whole-k-persistent", torch.bfloat16, id="m1-whole-k-persistent-bf16"),
-    pytest.param("m16", torch.float32, id="m16-fp32")])
-@pytest.mark.parametrize("case", LOOPED_CASES.values(), ids=LOOPED_CASES.keys())
-def test_interpreted_add_norm(case, config, dtype):
-    """``fused_moe_add_rms_norm``: on the slot path the down sums each token's slots with the
-    residual and its last program normalises the row (K in tiles, or whole), or the persistent
-    kernel's last program sums and normalises every token's; on the sorted path (``m16``,
-    fp32: the interpreter's ``tl.dot`` reads bf16 as integers) the experts, then the
-    ``add_rms_norm`` kernel."""
-    tokens, experts, top_k, hidden, inter, skew = case
-    check_add_norm_parity(moe_inputs(tokens, experts, hidden, inter, top_k, dtype, skew=skew),
-                          {**TINY_CONFIGS, **LOOPED_CONFIGS}[config])
 
 
 @interpreted

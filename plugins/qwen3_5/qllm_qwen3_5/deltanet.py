@@ -4,9 +4,8 @@ Per step: one fused input projection -> causal depthwise conv1d + SiLU over ``[q
 (op ``causal_conv1d_prefill`` / ``causal_conv1d_update``) -> gated delta rule (op
 ``gdn_prefill`` chunked; the ops compute the ``g``/``beta`` gates from ``a``/``b``,
 L2-normalise q/k, expand key heads and scale q, see ``qllm.ops.gdn``) -> gated RMSNorm with
-``z`` (``rms_norm_gated``) -> ``out_proj``. In decode the projection and the conv are one op,
-``in_proj_conv1d_update``, and so are the recurrent step and the norm,
-``gdn_decode_gated_norm`` (one kernel each in small steps). The conv and SSM states live in
+``z`` (``rms_norm_gated``) -> ``out_proj``. In decode the recurrent step and the norm are one
+op, ``gdn_decode_gated_norm`` (one kernel in small steps). The conv and SSM states live in
 this layer's ``recurrent_slot`` cache.
 """
 
@@ -153,7 +152,6 @@ class GatedDeltaNet(nn.Module):
 
         self._conv_prefill = kernels.causal_conv1d_prefill
         self._conv_update = kernels.causal_conv1d_update
-        self._in_proj_conv_update = kernels.in_proj_conv1d_update
         self._gdn_prefill = kernels.gdn_prefill
         self._gdn_decode_gated_norm = kernels.gdn_decode_gated_norm
 
@@ -182,10 +180,10 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``hidden [T, H]`` -> ``[T, H]``."""
-        if not batch.is_prefill:
-            return self.out_proj(self._decode(hidden, batch).flatten(-2))
         qkv, z, b, a = self.in_proj.split(self.in_proj(hidden))
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))  # [T, Hv, dv]
+        if not batch.is_prefill:  # the recurrence and the norm in one op
+            return self.out_proj(self._decode(qkv, a, b, z, batch).flatten(-2))
         rounds = batch.caches["recurrent_slot"].rounds
         if rounds is None:
             out = self._prefill(qkv, a, b, batch)  # [T, Hv, dv]
@@ -210,15 +208,13 @@ class GatedDeltaNet(nn.Module):
         return self._gdn_prefill(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state,
                                  batch)
 
-    def _decode(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """One token per sequence, ``hidden [B, H]``: the projection and the conv (one op,
-        ``in_proj_conv1d_update``, while the projection holds its full-precision weight; an
-        8-bit format's swaps it), then the gated delta rule and the gated norm with ``z``
-        (one op), from and into the slots' states -> ``[B, Hv, dv]``."""
-        qkv, z, b, a = self.in_proj.split(self.in_proj(hidden))
-        qkv = self._conv_update(qkv, self.conv1d.weight[:, 0, :], self.conv_state, batch)
-        q, k, v = self._split_heads(*qkv.split(self.qkv_sizes, dim=-1))  # views of [B, C]
-        z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))  # [B, Hv, dv]
+    def _decode(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """One token per sequence: the conv, the gated delta rule and the gated norm with
+        ``z [B, Hv, dv]``, from and into the slots' states -> ``[B, Hv, dv]``."""
+        q, k, v = self._split_heads(*self._conv_update(
+            qkv, self.conv1d.weight[:, 0, :], self.conv_state, batch).split(
+                self.qkv_sizes, dim=-1))  # views of [B, C]
         return self._gdn_decode_gated_norm(q, k, v, a, b, self.A_log, self.dt_bias,
                                            self.ssm_state, batch, z, self.norm.weight,
                                            self.norm.eps)

@@ -57,29 +57,20 @@ class DecoderLayer(nn.Module):
                                        kernels=kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero_centered=True,
                                                 kernels=kernels)
-        self._next_norm: tuple[RMSNorm, ...] = ()  # end_with's; a tuple keeps it unregistered
-
-    def end_with(self, norm: RMSNorm) -> None:
-        """End with the residual add and ``norm``, the next layer's input norm (the final norm
-        after the last layer): ``forward`` then returns ``norm``'s ``(normed, summed)`` (see
-        ``DecoderStack``'s ``norms_in_layers``)."""
-        self._next_norm = (norm,)
 
     def forward(self, positions, hidden, residual, batch: ForwardBatch):
-        """``hidden [T, H]``: the embeddings before the first layer (``residual`` None),
-        normed by the layer before afterwards -> the next norm's ``(normed, summed)``."""
-        next_norm, = self._next_norm
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
         if self.layer_type == "linear_attention":
             hidden = self.linear_attn(hidden, batch)
         else:
             hidden = self.self_attn(positions, hidden, batch)
         if isinstance(self.mlp, SparseMoeBlock):  # the add and norm join the router's GEMV
-            return self.mlp.after_add_norm(hidden, residual, self.post_attention_layernorm,
-                                           next_norm)
+            return self.mlp.after_add_norm(hidden, residual, self.post_attention_layernorm)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return next_norm(self.mlp(hidden), residual)
+        return self.mlp(hidden), residual
 
 
 class Qwen3_5ForCausalLM(CausalLM):
@@ -118,7 +109,7 @@ class Qwen3_5ForCausalLM(CausalLM):
                           vision_config is not None)
              for i in range(config.num_hidden_layers)),
             RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True,
-                    kernels=kernels), norms_in_layers=True)
+                    kernels=kernels))
         self.lm_head = LMHead(config.hidden_size, config.vocab_size, kernels)
         if vision_config is not None:
             from qllm_qwen3_5.vision import VisionEncoder

@@ -64,8 +64,7 @@ class Experts(nn.Module):
     """The routed experts, ``gate_up_proj.weight [E, 2I, H]`` (gate rows first) and
     ``down_proj.weight [E, H, I]`` (see ``Qwen3_5ForCausalLM.checkpoint_name`` for the
     checkpoint names), run by the ``fused_moe`` op, with the shared expert's weights as
-    expert ``E`` (``forward``; ``add_norm`` with the residual add and norm after the block) or
-    alone (``routed``). Tensor parallel: each expert's
+    expert ``E`` (``forward``) or alone (``routed``). Tensor parallel: each expert's
     intermediate dimension is split over the ranks (gate/up rows, down columns)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
@@ -78,7 +77,6 @@ class Experts(nn.Module):
         self.down_proj = StackedExpertWeight(num_experts, ("down",), hidden_size, local,
                                              tp=tp, split_dim=1)
         self._fused_moe = kernels.fused_moe
-        self._fused_moe_add_rms_norm = kernels.fused_moe_add_rms_norm
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 shared_w13: torch.Tensor, shared_w2: torch.Tensor) -> torch.Tensor:
@@ -87,16 +85,6 @@ class Experts(nn.Module):
         ``[T, k + 1, H]``, summed by the residual add that follows."""
         return self._fused_moe(x, self.gate_up_proj.weight, self.down_proj.weight,
                                topk_weights, topk_ids, shared_w13, shared_w2)
-
-    def add_norm(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                 shared_w13: torch.Tensor, shared_w2: torch.Tensor, residual: torch.Tensor,
-                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """``norm(forward(...), residual)``, ``norm``'s ``(normed, summed)`` ``[T, H]``, as one
-        op (``fused_moe_add_rms_norm``: at a few tokens, the add and the norm in the experts'
-        last kernel)."""
-        return self._fused_moe_add_rms_norm(
-            x, self.gate_up_proj.weight, self.down_proj.weight, topk_weights, topk_ids,
-            shared_w13, shared_w2, residual, norm.weight, norm.eps, norm.zero_centered)
 
     def routed(self, x: torch.Tensor, topk_weights: torch.Tensor,
                topk_ids: torch.Tensor) -> torch.Tensor:
@@ -159,28 +147,23 @@ class SparseMoeBlock(nn.Module):
         """``x [T, H]`` -> the per-slot outputs ``[T, k + 1, H]`` (the last slot the shared
         expert's), whose sum is the block's output: the decoder layer's residual add
         (``RMSNorm`` with a residual) takes them."""
-        return self._experts(x, *self._route(self.input_proj(x)))
+        return self._experts(x, self.input_proj(x))
 
-    def after_add_norm(self, branch: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                       next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block between two residual adds and norms: ``branch`` and ``residual [T, H]``
-        -> ``next_norm(forward(x), x_sum)`` with ``(x, x_sum) = norm(branch, residual)``. The
-        first add and norm are computed with the router's projection (the
-        ``add_rms_norm_linear`` op: in a decode step, one kernel for the three), the second
-        with the experts where they allow (``Experts.add_norm``)."""
+    def after_add_norm(self, branch: torch.Tensor, residual: torch.Tensor,
+                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block after the residual add and ``norm`` of the branch before it: ``branch``
+        and ``residual [T, H]`` -> ``(forward(x), x_sum)`` with ``(x, x_sum) = norm(branch,
+        residual)``, the add and the norm computed with the router's projection (the
+        ``add_rms_norm_linear`` op: in a decode step, one kernel for the three)."""
         logits, x, summed = self._add_rms_norm_linear(branch, residual, norm.weight, norm.eps,
                                                       norm.zero_centered,
                                                       self.input_proj.weight)
-        weights, ids = self._route(logits)
-        return next_norm(self._experts(x, weights, ids), summed)
+        return self._experts(x, logits), summed
 
-    def _route(self, projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``input_proj(x)`` (rows padded) -> the router's ``(weights, ids) [T, k + 1]``."""
-        return self.router(projected[:, :self.num_experts + 1])  # [T, E + 1]: router, gate
-
-    def _experts(self, x: torch.Tensor, weights: torch.Tensor,
-                 ids: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]`` and its routing -> ``forward(x)``."""
+    def _experts(self, x: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` and ``input_proj(x)`` (rows padded) -> ``forward(x)``."""
+        logits = projected[:, :self.num_experts + 1]  # [T, E + 1]: router, shared gate
+        weights, ids = self.router(logits)  # [T, k + 1] each
         if self.shared_expert_fused:
             out = self.experts(x, weights, ids, self.shared_expert.gate_up_proj.weight,
                                self.shared_expert.down_proj.weight)

@@ -17,7 +17,6 @@ moe = pytest.importorskip("qllm_qwen3_5.moe")
 
 
 REFERENCE_KERNELS = SimpleNamespace(moe_router=moe_ops.moe_router, fused_moe=moe_ops.fused_moe,
-                                    fused_moe_add_rms_norm=moe_ops.fused_moe_add_rms_norm,
                                     linear=F.linear,
                                     add_rms_norm_linear=linear_ops.add_rms_norm_linear)
 
@@ -37,10 +36,9 @@ def test_input_projection_holds_router_then_shared_gate():
     assert proj.shard_offsets == {"router": (0, 256), "shared_expert_gate": (256, 1)}
 
 
-def test_after_add_norm_is_the_norm_then_the_block_then_the_next_norm():
-    """``after_add_norm`` (the add, the norm and the router's projection through one op; the
-    experts, the next add and the next norm through another) gives the bits of the decoder
-    layer's norm, the block and the next norm one after the other, and the same residual."""
+def test_after_add_norm_is_the_norm_then_the_block():
+    """``after_add_norm`` (the add, the norm and the router's projection through one op) gives
+    the bits of the decoder layer's norm followed by the block, and the same residual."""
     from transformers import Qwen3_5MoeTextConfig
 
     config = Qwen3_5MoeTextConfig(hidden_size=64, num_experts=8, num_experts_per_tok=2,
@@ -48,12 +46,11 @@ def test_after_add_norm_is_the_norm_then_the_block_then_the_next_norm():
                                   shared_expert_intermediate_size=32)
     torch.manual_seed(0)
     block = moe.SparseMoeBlock(config, REFERENCE_KERNELS, renormalize=True)
-    norm, next_norm = (RMSNorm(config.hidden_size, 1e-6, zero_centered=True) for _ in "ab")
-    for parameter in (*block.parameters(), *norm.parameters(), *next_norm.parameters()):
+    norm = RMSNorm(config.hidden_size, 1e-6, zero_centered=True)
+    for parameter in (*block.parameters(), *norm.parameters()):
         parameter.data.normal_(0, 0.2)
     branch, residual = torch.randn(2, 5, config.hidden_size).unbind(0)
-    out, summed = block.after_add_norm(branch, residual, norm, next_norm)
-    normed, first_sum = norm(branch, residual)
-    expected_out, expected_sum = next_norm(block(normed), first_sum)
+    out, summed = block.after_add_norm(branch, residual, norm)
+    normed, expected_sum = norm(branch, residual)
     assert torch.equal(summed, expected_sum)
-    assert torch.equal(out, expected_out)
+    assert torch.equal(out, block(normed))
