@@ -133,12 +133,17 @@
 # Wheels in .whl/ (fla-core...) are installed first when present, into /tmp/site on this
 # script's PYTHONPATH: a command run after this script, outside it, needs
 # PYTHONPATH=/tmp/site too, or it runs without fla (session 14's last W2 did).
+# A call brings back at most 8 files of $OUT (the device tool's limit), so at the end the stages'
+# logs and profiles leave in one archive, $OUT/gpu_run.tgz (gpu_run-2.tgz for a second run into
+# the same $OUT; `tar xzf` it here), the files it holds removed; what the caller put in $OUT
+# before this script ran stays beside it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root_out=${OUT:-gpu-out}
 out=$root_out
 switches=0
 mkdir -p "$out"
+callers_files=" $(ls -A "$root_out" | tr '\n' ' ') "
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -440,3 +445,14 @@ for stage in "$@"; do
         *) echo "unknown stage $stage" ;;
     esac
 done
+written=()
+for name in $(ls -A "$root_out"); do
+    [[ $callers_files == *" $name "* ]] || written+=("$name")
+done
+archive=gpu_run.tgz runs=1  # a second run into the same $OUT: gpu_run-2.tgz
+while [[ -e $root_out/$archive ]]; do runs=$((runs + 1)) archive=gpu_run-$runs.tgz; done
+if ((${#written[@]})); then
+    tar czf "$root_out/$archive" -C "$root_out" "${written[@]}" \
+        && (cd "$root_out" && rm -rf "${written[@]}") \
+        && echo "outputs: $root_out/$archive (${written[*]})"
+fi
