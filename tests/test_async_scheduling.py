@@ -9,7 +9,7 @@ import pytest
 
 from qllm import LLM, SamplingParams
 from qllm.runner.model_runner import SampledStep
-from qllm.testing import assert_cache_free, random_prompts
+from qllm.testing import InjectedFailure, assert_cache_free, fail_on_call, random_prompts
 
 ENGINE = dict(block_size=16, max_model_len=256)
 
@@ -118,3 +118,26 @@ def test_interrupted_generate_leaves_the_engine_usable(qwen3_dir, monkeypatch):
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [g["token_ids"] for g in got] == [e["token_ids"] for e in expected]
     assert_cache_free(llm)
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("failing", ["runner.launch", "scheduler.postprocess"])
+def test_failed_step_leaves_the_engine_usable(qwen3_dir, monkeypatch, pipelined, failing):
+    """A step that fails while launching or while taking its tokens (with a step in flight
+    behind it, when pipelined) raises out of generate, which aborts its requests; the next
+    generate gives a fresh engine's tokens and frees every cache unit."""
+    prompts = random_prompts([12, 30, 50])
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    expected = LLM(qwen3_dir, **ENGINE).generate(prompts, params, use_tqdm=False)
+
+    llm = LLM(qwen3_dir, async_scheduling=pipelined, **ENGINE)
+    part, method = failing.split(".")
+    fail_on_call(monkeypatch, getattr(llm.engine, part), method, call=4)
+    with pytest.raises(InjectedFailure):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert (llm.engine._in_flight is not None) == pipelined, "a step should be in flight"
+    monkeypatch.undo()
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [g["token_ids"] for g in got] == [e["token_ids"] for e in expected]
+    assert_cache_free(llm)
+    assert not llm.engine.sequences

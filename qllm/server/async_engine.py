@@ -31,6 +31,11 @@ class EngineStoppedError(RuntimeError):
     """The engine is shutting down and takes no new requests."""
 
 
+class EngineStepError(RuntimeError):
+    """An engine step failed: each request it was running gets one of these (the step's
+    exception as its cause) and is aborted; the engine takes new requests."""
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     """What one step added to choice ``index`` of a request."""
@@ -233,7 +238,7 @@ class AsyncEngine:
             self.engine.abort(request_id)
             self.metrics.request_finished("abort")
         self._tracked.clear()
-        self._deliver([(group, exc) for group in groups.values()])
+        self._deliver([(group, _step_error(exc)) for group in groups.values()])
 
     def _publish(self, advanced: list[Sequence]) -> None:
         now = time.perf_counter()
@@ -273,6 +278,14 @@ class AsyncEngine:
     def _deliver(self, outputs: list[tuple[RequestGroup, RequestOutput | BaseException]]):
         if outputs:
             self._loop.call_soon_threadsafe(_put_all, outputs)
+
+
+def _step_error(exc: Exception) -> EngineStepError:
+    """What a request running in a failed step gets (one instance per request: each is
+    raised in its own task)."""
+    error = EngineStepError(f"{type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
 
 
 def _put_all(outputs: list[tuple[RequestGroup, RequestOutput | BaseException]]) -> None:

@@ -39,6 +39,7 @@ from qllm.engine.llm_engine import load_tokenizer
 from qllm.model.multimodal import MediaError
 from qllm.server.async_engine import (
     AsyncEngine,
+    EngineStepError,
     EngineStoppedError,
     RequestGroup,
     RequestOutput,
@@ -338,6 +339,8 @@ class OpenAIServing:
                                      media_type="text/event-stream")
         try:
             choices = await _unless_disconnected(raw, _collect(group, len(params)))
+        except EngineStepError as exc:
+            raise _generation_failed(exc) from exc
         finally:
             group.abort()
         usage = _usage(prompt_tokens, [choice.num_tokens for choice in choices])
@@ -421,8 +424,8 @@ class OpenAIServing:
                     chunk_type = ChatCompletionChunk if chat else CompletionResponse
                     yield _event(chunk_type(id=group.request_id, model=self.model_name,
                                             choices=[], usage=_usage(prompt_tokens, counts)))
-            except Exception as exc:  # noqa: BLE001 (the engine failed mid-stream; the status is sent)
-                yield _event(APIError(500, f"generation failed: {exc}", type="server_error").body)
+            except Exception as exc:  # noqa: BLE001 (sent as the stream's last event)
+                yield _event(_generation_failed(exc).body)
             yield "data: [DONE]\n\n"
         finally:
             group.abort()
@@ -445,6 +448,11 @@ class _StreamedChoice:
     offset: int = 0  # text_offset of the next token (completions)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict | None] = field(default_factory=list)
+
+
+def _generation_failed(exc: Exception) -> APIError:
+    """The 500 of a request whose generation failed (the engine thread logged the cause)."""
+    return APIError(500, f"generation failed: {exc}", type="server_error")
 
 
 def _event(model) -> str:

@@ -65,6 +65,25 @@ def record_launches(engine, monkeypatch) -> list[tuple[bool, int, int]]:
     return launched
 
 
+class InjectedFailure(RuntimeError):
+    """The failure ``fail_on_call`` injects."""
+
+
+def fail_on_call(monkeypatch, owner, name: str, call: int) -> None:
+    """Make ``owner.name`` raise ``InjectedFailure`` on its ``call``-th call from now on
+    (counted from 1) and call through otherwise (``monkeypatch``: pytest's fixture, which
+    undoes it)."""
+    method, calls = getattr(owner, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == call:
+            raise InjectedFailure(f"{name} failed (injected, call {call})")
+        return method(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+
+
 def assert_same_tokens(got: list[dict], expected: list[dict]) -> None:
     """Every output's token ids equal the expected ones; the message says where each of the
     differing outputs first diverges."""

@@ -1,0 +1,61 @@
+"""An engine step that fails while serving: its requests get a 500 (whole) or an error event
+(streamed) that names the failure, and the server goes on answering correctly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+
+from server_fixtures import MODEL_NAME, server, tiny_model_dir  # noqa: F401
+
+from qllm.testing import fail_on_call
+
+BODY = {"model": MODEL_NAME, "prompt": "The capital of France is", "max_tokens": 12,
+        "temperature": 0, "ignore_eos": True}
+
+
+def complete(server, **extra) -> httpx.Response:  # noqa: F811
+    return httpx.post(f"{server.base_url}/v1/completions", json={**BODY, **extra}, timeout=30)
+
+
+def streamed_events(response: httpx.Response) -> list:
+    lines = [line[len("data: "):] for line in response.text.splitlines()
+             if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]", response.text
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("failing", ["runner.launch", "scheduler.postprocess"])
+def test_failed_step_fails_its_requests_and_the_server_keeps_serving(
+        server, monkeypatch, failing):  # noqa: F811
+    before = complete(server)
+    assert before.status_code == 200, before.text
+    part, method = failing.split(".")
+    owner = getattr(server.engine, part)
+
+    fail_on_call(monkeypatch, owner, method, call=3)  # the prefill step, then a decode step
+    whole = complete(server)
+    assert whole.status_code == 500, whole.text
+    error = whole.json()["error"]
+    assert error["type"] == "server_error"
+    assert error["message"].startswith("generation failed: InjectedFailure: "), error
+    assert method in error["message"]
+    assert server.wait_until_idle(5.0)
+
+    monkeypatch.undo()
+    fail_on_call(monkeypatch, owner, method, call=3)
+    streamed = complete(server, stream=True)
+    assert streamed.status_code == 200  # the failure comes after the headers were sent
+    events = streamed_events(streamed)
+    assert events[-1]["error"]["type"] == "server_error"
+    assert "generation failed: InjectedFailure" in events[-1]["error"]["message"]
+    assert server.wait_until_idle(5.0)
+
+    monkeypatch.undo()
+    after = complete(server)
+    assert after.status_code == 200, after.text
+    assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+    assert server.wait_until_idle(5.0)
