@@ -1,5 +1,6 @@
-"""An engine step that fails while serving: its requests get a 500 (whole) or an error event
-(streamed) that names the failure, and the server goes on answering correctly."""
+"""The engine thread failing while serving (in a step, or handing out a step's outputs): its
+requests get a 500 (whole) or an error event (streamed) that names the failure, and the server
+goes on answering correctly."""
 
 from __future__ import annotations
 
@@ -28,15 +29,22 @@ def streamed_events(response: httpx.Response) -> list:
     return [json.loads(line) for line in lines[:-1]]
 
 
-@pytest.mark.parametrize("failing", ["runner.launch", "scheduler.postprocess"])
-def test_failed_step_fails_its_requests_and_the_server_keeps_serving(
+FAILING = {  # where the failure is injected: the owner (from the server), the method
+    "runner.launch": (lambda server: server.engine.runner, "launch"),
+    "scheduler.postprocess": (lambda server: server.engine.scheduler, "postprocess"),
+    "async_engine._publish": (lambda server: server.server.async_engine, "_publish"),
+}
+
+
+@pytest.mark.parametrize("failing", FAILING)
+def test_engine_failure_fails_its_requests_and_the_server_keeps_serving(
         server, monkeypatch, failing):  # noqa: F811
     before = complete(server)
     assert before.status_code == 200, before.text
-    part, method = failing.split(".")
-    owner = getattr(server.engine, part)
+    owner_of, method = FAILING[failing]
+    owner = owner_of(server)
 
-    fail_on_call(monkeypatch, owner, method, call=3)  # the prefill step, then a decode step
+    fail_on_call(monkeypatch, owner, method, call=3)  # after the prefill step's call
     whole = complete(server)
     assert whole.status_code == 500, whole.text
     error = whole.json()["error"]

@@ -31,9 +31,10 @@ class EngineStoppedError(RuntimeError):
     """The engine is shutting down and takes no new requests."""
 
 
-class EngineStepError(RuntimeError):
-    """An engine step failed: each request it was running gets one of these (the step's
-    exception as its cause) and is aborted; the engine takes new requests."""
+class GenerationError(RuntimeError):
+    """The engine thread failed while requests ran (in a step, or handing out its outputs):
+    each of them gets one of these (the failure as its cause) and is aborted; the engine goes
+    on taking requests."""
 
 
 @dataclass(frozen=True)
@@ -165,15 +166,23 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ engine thread side
     def _run(self) -> None:
+        """The engine thread: queued calls, then a step while anything is unfinished, until
+        the stop sentinel. A failure fails the requests tracked then, and the loop goes on (a
+        thread that died would leave them waiting forever)."""
         engine = self.engine
         while True:
-            if self._run_calls(block=not engine.has_unfinished()):
-                return
-            if engine.has_unfinished():
-                self._step()
-            self.metrics.set_engine_state(len(engine.scheduler.running),
-                                          len(engine.scheduler.waiting), engine.cache.usage())
-            self.metrics.set_prefix_cache_stats(engine.cache.prefix_cache_stats())
+            try:
+                if self._run_calls(block=not engine.has_unfinished()):
+                    return
+                if engine.has_unfinished():
+                    self._publish(engine.step())
+                self.metrics.set_engine_state(len(engine.scheduler.running),
+                                              len(engine.scheduler.waiting),
+                                              engine.cache.usage())
+                self.metrics.set_prefix_cache_stats(engine.cache.prefix_cache_stats())
+            except Exception as exc:  # noqa: BLE001 (each request gets it; logged here)
+                logger.exception("the engine failed; aborting %d requests", len(self._tracked))
+                self._fail_all(exc)
 
     def _run_calls(self, block: bool) -> bool:
         """Run the queued calls (waiting for one if ``block``); True at the stop sentinel."""
@@ -186,15 +195,6 @@ class AsyncEngine:
                 return True
             call()
             block = False
-
-    def _step(self) -> None:
-        try:
-            advanced = self.engine.step()
-        except Exception as exc:
-            logger.exception("engine step failed; aborting %d requests", len(self._tracked))
-            self._fail_all(exc)
-            return
-        self._publish(advanced)
 
     def _add(self, group: RequestGroup, prompts: list[list[int]],
              params: list[SamplingParams], multimodal: list[MultimodalInputs | None],
@@ -238,7 +238,7 @@ class AsyncEngine:
             self.engine.abort(request_id)
             self.metrics.request_finished("abort")
         self._tracked.clear()
-        self._deliver([(group, _step_error(exc)) for group in groups.values()])
+        self._deliver([(group, _generation_error(exc)) for group in groups.values()])
 
     def _publish(self, advanced: list[Sequence]) -> None:
         now = time.perf_counter()
@@ -280,10 +280,10 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(_put_all, outputs)
 
 
-def _step_error(exc: Exception) -> EngineStepError:
-    """What a request running in a failed step gets (one instance per request: each is
-    raised in its own task)."""
-    error = EngineStepError(f"{type(exc).__name__}: {exc}")
+def _generation_error(exc: Exception) -> GenerationError:
+    """What a request running when the engine failed gets (one instance per request: each
+    is raised in its own task)."""
+    error = GenerationError(f"{type(exc).__name__}: {exc}")
     error.__cause__ = exc
     return error
 

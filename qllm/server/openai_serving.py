@@ -39,8 +39,8 @@ from qllm.engine.llm_engine import load_tokenizer
 from qllm.model.multimodal import MediaError
 from qllm.server.async_engine import (
     AsyncEngine,
-    EngineStepError,
     EngineStoppedError,
+    GenerationError,
     RequestGroup,
     RequestOutput,
 )
@@ -339,7 +339,7 @@ class OpenAIServing:
                                      media_type="text/event-stream")
         try:
             choices = await _unless_disconnected(raw, _collect(group, len(params)))
-        except EngineStepError as exc:
+        except GenerationError as exc:
             raise _generation_failed(exc) from exc
         finally:
             group.abort()
