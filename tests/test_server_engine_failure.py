@@ -1,16 +1,17 @@
 """The engine thread failing while serving (in a step, or handing out a step's outputs): its
 requests get a 500 (whole) or an error event (streamed) that names the failure, and the server
-goes on answering correctly."""
+goes on answering correctly; after a device error it refuses requests and reports unhealthy."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 httpx = pytest.importorskip("httpx")
 
-from server_fixtures import MODEL_NAME, server, tiny_model_dir  # noqa: F401
+from server_fixtures import MODEL_NAME, running_server, server, tiny_model_dir  # noqa: F401
 
 from qllm.testing import fail_on_call
 
@@ -67,3 +68,22 @@ def test_engine_failure_fails_its_requests_and_the_server_keeps_serving(
     assert after.status_code == 200, after.text
     assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
     assert server.wait_until_idle(5.0)
+
+
+def test_device_error_makes_the_server_refuse_requests_and_report_unhealthy(
+        tiny_model_dir, monkeypatch):  # noqa: F811
+    """CUDA returns a device error (an illegal address, say) to every later call: serving on
+    would fail each request, so the engine stops stepping, answers 503 and /health 503."""
+    with running_server(tiny_model_dir) as running:
+        assert httpx.get(f"{running.base_url}/health").status_code == 200
+        fail_on_call(monkeypatch, running.engine.runner, "launch", call=3,
+                     error=torch.AcceleratorError)
+        failed = complete(running)
+        assert failed.status_code == 500, failed.text
+        assert "generation failed: AcceleratorError: " in failed.json()["error"]["message"]
+        assert httpx.get(f"{running.base_url}/health").status_code == 503
+        refused = complete(running)
+        assert refused.status_code == 503, refused.text
+        message = refused.json()["error"]["message"]
+        assert "failed on its device" in message and "restart the server" in message
+        assert running.wait_until_idle(5.0)

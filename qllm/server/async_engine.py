@@ -18,6 +18,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from qllm.batch import Sequence
 from qllm.config import SamplingParams
 from qllm.engine.llm_engine import LLMEngine
@@ -28,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineStoppedError(RuntimeError):
-    """The engine is shutting down and takes no new requests."""
+    """The engine is shutting down, or failed on its device, and takes no new requests."""
 
 
 class GenerationError(RuntimeError):
@@ -112,6 +114,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._device_failure: str | None = None  # why the engine stopped stepping, if it did
 
     # ------------------------------------------------------------ event loop side
     def start(self) -> None:
@@ -122,7 +125,10 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopped
+        """The engine thread runs and takes requests: not stopped, not failed on its
+        device (``GET /health`` answers 503 otherwise)."""
+        return (self._thread is not None and self._thread.is_alive() and not self._stopped
+                and self._device_failure is None)
 
     async def add(self, prompts: list[list[int]], params: list[SamplingParams],
                   request_id: str, multimodal: list[MultimodalInputs | None] | None = None
@@ -135,7 +141,7 @@ class AsyncEngine:
         ``EngineStoppedError`` after ``stop``.
         """
         if not self.is_running:
-            raise EngineStoppedError("the server is shutting down")
+            raise EngineStoppedError(self._device_failure or "the server is shutting down")
         group = RequestGroup(self, request_id, len(prompts))
         added: concurrent.futures.Future[None] = concurrent.futures.Future()
         multimodal = multimodal or [None] * len(prompts)
@@ -168,13 +174,15 @@ class AsyncEngine:
     def _run(self) -> None:
         """The engine thread: queued calls, then a step while anything is unfinished, until
         the stop sentinel. A failure fails the requests tracked then, and the loop goes on (a
-        thread that died would leave them waiting forever)."""
+        thread that died would leave them waiting forever); after a device error, which CUDA
+        keeps returning to every later call, it only refuses requests."""
         engine = self.engine
         while True:
             try:
-                if self._run_calls(block=not engine.has_unfinished()):
+                if self._run_calls(block=self._device_failure is not None
+                                   or not engine.has_unfinished()):
                     return
-                if engine.has_unfinished():
+                if self._device_failure is None and engine.has_unfinished():
                     self._publish(engine.step())
                 self.metrics.set_engine_state(len(engine.scheduler.running),
                                               len(engine.scheduler.waiting),
@@ -183,6 +191,10 @@ class AsyncEngine:
             except Exception as exc:  # noqa: BLE001 (each request gets it; logged here)
                 logger.exception("the engine failed; aborting %d requests", len(self._tracked))
                 self._fail_all(exc)
+                if isinstance(exc, torch.AcceleratorError):
+                    self._device_failure = (f"the engine failed on its device ({exc}); "
+                                            f"restart the server")
+                    logger.error("%s; refusing requests from now on", self._device_failure)
 
     def _run_calls(self, block: bool) -> bool:
         """Run the queued calls (waiting for one if ``block``); True at the stop sentinel."""
@@ -200,6 +212,9 @@ class AsyncEngine:
              params: list[SamplingParams], multimodal: list[MultimodalInputs | None],
              added: concurrent.futures.Future) -> None:
         if not added.set_running_or_notify_cancel():
+            return
+        if self._device_failure is not None:  # queued before the failure
+            added.set_exception(EngineStoppedError(self._device_failure))
             return
         ids = []
         try:

@@ -69,16 +69,17 @@ class InjectedFailure(RuntimeError):
     """The failure ``fail_on_call`` injects."""
 
 
-def fail_on_call(monkeypatch, owner, name: str, call: int) -> None:
-    """Make ``owner.name`` raise ``InjectedFailure`` on its ``call``-th call from now on
-    (counted from 1) and call through otherwise (``monkeypatch``: pytest's fixture, which
-    undoes it)."""
+def fail_on_call(monkeypatch, owner, name: str, call: int,
+                 error: type[Exception] = InjectedFailure) -> None:
+    """Make ``owner.name`` raise ``error`` (an exception class taking a message) on its
+    ``call``-th call from now on (counted from 1) and call through otherwise
+    (``monkeypatch``: pytest's fixture, which undoes it)."""
     method, calls = getattr(owner, name), []
 
     def failing(*args, **kwargs):
         calls.append(None)
         if len(calls) == call:
-            raise InjectedFailure(f"{name} failed (injected, call {call})")
+            raise error(f"{name} failed (injected, call {call})")
         return method(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, failing)
