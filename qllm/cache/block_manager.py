@@ -92,10 +92,6 @@ class BlockManager:
             parent = block.hash
         return len(table) * self.block_size
 
-    def can_reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
-        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
-        return needed - len(self.block_table(seq)) <= self.num_free_blocks
-
     def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more computed tokens; False (and no change) if the
         pool lacks the blocks."""

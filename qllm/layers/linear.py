@@ -78,22 +78,6 @@ def column_parts(tp: TensorParallel, names) -> dict[str, tuple[int, int]]:
     return {name: (tp.size, tp.rank) for name in names} if tp.size > 1 else {}
 
 
-class ColumnParallelLinear(Linear):
-    """``Linear`` whose output rows (and bias) are split over the tensor-parallel ranks: each
-    rank computes ``out_features / size`` of them, no communication. The plain ``Linear`` at
-    size 1."""
-
-    def __init__(self, in_features: int, out_features: int, kernels: Kernels,
-                 bias: bool = False, tp: TensorParallel | None = None):
-        self.tp = tp or get_tp()
-        super().__init__(in_features, self.tp.shard(out_features, "the output features of a "
-                                                    "column-parallel projection"),
-                         kernels, bias=bias)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        default_weight_loader(param, narrow_part(loaded, 0, self.tp.size, self.tp.rank))
-
-
 class RowParallelLinear(Linear):
     """``Linear`` whose input columns are split over the tensor-parallel ranks: each rank
     multiplies its slice of the input (the output of a column-parallel layer) and the partial
