@@ -138,7 +138,7 @@ class AsyncEngine:
         hold the expanded token ids), or None.
 
         Raises ``ValueError`` (from the engine's validation) if any cannot be served, and
-        ``EngineStoppedError`` after ``stop``.
+        ``EngineStoppedError`` after ``stop`` or a device error.
         """
         if not self.is_running:
             raise EngineStoppedError(self._device_failure or "the server is shutting down")
