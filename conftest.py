@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qllm.model.default_model import qwen3_tokenizer_dir
-from qllm.testing import require_qwen3_plugin, save_tiny_qwen3
+from qllm.testing import require_qwen3_plugin, save_tiny_qwen3, torch_threads
 from qllm.testing.kernels import start_interpreter_runs, stop_interpreter_runs
 from qllm.testing.triton_launches import LOG_ENV, record_launches
 
@@ -66,3 +66,11 @@ def qwen3_tokenizer_model_dir(tmp_path_factory):
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
         shutil.copy(f"{tokenizer}/{name}", path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The module's tests on one intra-op thread: tiny models run many times faster so
+    (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+    with torch_threads(1):
+        yield

@@ -21,10 +21,7 @@ CACHED = dict(prefix_state_cache_slots=16)
 OFF = dict(enable_prefix_caching=False)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with qwen3_5_testing.torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])

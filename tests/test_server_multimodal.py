@@ -30,10 +30,7 @@ ASR_ENGINE = {"block_size": 16, "max_model_len": 64, "num_kv_blocks": 32}
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with testing.torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def client_for(running) -> openai.OpenAI:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from qllm import LLM, SamplingParams
+from qllm.testing import torch_threads
 
 pytest.importorskip("qllm_qwen3", reason="the qllm-qwen3 plugin is not installed")
 qwen3_5_testing = pytest.importorskip("qllm_qwen3_5.testing",
@@ -138,7 +139,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def reference(checkpoints) -> dict:
-    with qwen3_5_testing.torch_threads(2):
+    with torch_threads(2):
         return _run_cases(checkpoints, 1)
 
 

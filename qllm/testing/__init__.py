@@ -22,11 +22,11 @@ from qllm.testing.engine import (InjectedFailure, RerunGraph, assert_cache_free,
                                  record_launches, record_replays, rerun_capture,
                                  with_decode_graphs, with_prefill_graphs)
 from qllm.testing.models import (hf_greedy, perturb_, random_prompts, require_qwen3_plugin,
-                                 save_tiny_qwen3, tiny_qwen3_config)
+                                 save_tiny_qwen3, tiny_qwen3_config, torch_threads)
 
 __all__ = ["InjectedFailure", "RerunGraph", "assert_cache_free",
            "assert_greedy_equal_up_to_ties", "assert_same_tokens", "fail_on_call",
            "forward_batch", "hf_greedy", "last_token_logits", "perturb_",
            "prefill_logits", "random_prompts", "record_launches", "record_replays",
            "require_qwen3_plugin", "rerun_capture", "save_tiny_qwen3", "tiny_qwen3_config",
-           "with_decode_graphs", "with_prefill_graphs"]
+           "torch_threads", "with_decode_graphs", "with_prefill_graphs"]

@@ -4,7 +4,21 @@ plugins run on."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run with ``n`` intra-op threads (tiny models are many times faster on one thread; the
+    root conftest's ``one_torch_thread`` fixture runs a test module so)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def require_qwen3_plugin() -> None:

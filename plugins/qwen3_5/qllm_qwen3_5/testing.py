@@ -225,17 +225,6 @@ def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-@contextlib.contextmanager
-def torch_threads(n: int):
-    """Run with ``n`` intra-op threads (tiny models are many times faster on one thread)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 # ----------------------------------------------------------------------------- image prompts
 
 # A vision tower with an 8 x 8 learned position grid (resampled up and down by the test

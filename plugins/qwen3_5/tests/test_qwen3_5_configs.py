@@ -23,10 +23,7 @@ SHARED_SIZES = pytest.mark.parametrize("shared_size", [ROUTED_SIZE, ROUTED_SIZE 
                                        ids=["shared-fused", "shared-separate"])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with qwen3_5_testing.torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def assert_matches_transformers(llm: LLM, model: torch.nn.Module) -> None:

@@ -19,10 +19,7 @@ ENGINE = dict(block_size=16, max_model_len=256, num_kv_blocks=32)
 PROMPT = random_prompts([100], seed=5)[0]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with qwen3_5_testing.torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 ENGINE = dict(block_size=16, max_model_len=320, num_kv_blocks=128)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with qwen3_5_testing.torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=qwen3_5_testing.KINDS)

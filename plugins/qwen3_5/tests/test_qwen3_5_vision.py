@@ -22,10 +22,7 @@ from qllm.model.multimodal import MediaError  # noqa: E402
 ENGINE = dict(block_size=16, max_model_len=512, num_kv_blocks=96)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with testing.torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
