@@ -9,7 +9,8 @@ in as many steps as it takes: for one short prompt, its time to first token). Th
 (a unit whose wall time is far above its GPU busy time is bound by the host's launches),
 (c) sums kernel time by op kind (GDN, attention, MoE, GEMM, sampling, other) per unit, and
 the elapsed time each kind adds to the unit's span (``elapsed_by_kind``: it adds up where
-kernel times overlap, as under programmatic dependent launch).
+kernel times overlap, as under programmatic dependent launch), and the same for the kernels
+that cost the most (``elapsed_by_kernel``: the router, gate-up and down apart).
 Writes a Chrome trace, the top-kernel table and the kernel sequence of the last profiled
 step (duration, idle gap before it, op kind, name: one layer's kernels read top to bottom)
 under ``--out``. ``throughput.py --profile-decode`` runs the same profile on the engine of a
@@ -44,6 +45,9 @@ OP_KINDS = [
     ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "matmul", "splitk")),
     ("sampling", ("sample", "argmax", "exponential", "softmax", "multinomial")),
 ]
+
+
+KERNELS_REPORTED = 15  # kernels in a profile's elapsed_us_per_step_by_kernel
 
 
 def op_kind(kernel: str) -> str:
@@ -124,22 +128,36 @@ def busy_and_gaps(intervals) -> tuple[float, float, int]:
     return busy, idle, gaps
 
 
-def elapsed_by_kind(intervals) -> dict[str, float]:
+def elapsed_by_kind(intervals, key=op_kind) -> dict[str, float]:
     """Each kernel charged with how far it moves the stream's end (us): from the latest end
     of the kernels before it (so an idle gap before it is its charge too; the first kernel:
     from its own start) to its end, nothing where it ends inside them. Unlike kernel
     durations, which overlap under programmatic dependent launch (a kernel waiting for the one
     before counts the wait), the charges add up to the profiled span: what each op kind costs
-    the step's wall time."""
+    the step's wall time. ``key``: what a kernel's name is charged to (its op kind)."""
     charged: dict[str, float] = {}
     frontier = None
     for start, end, name in intervals:
         advance = end - (start if frontier is None else frontier)
         if advance > 0:
-            kind = op_kind(name)
+            kind = key(name)
             charged[kind] = charged.get(kind, 0.0) + advance
             frontier = end
     return charged
+
+
+def elapsed_by_kernel(intervals, steps: int, most: int = KERNELS_REPORTED) -> dict[str, list]:
+    """The ``most`` kernels that cost a unit the most wall time: name (cut to 60 characters)
+    -> ``[us per unit, launches per unit]`` (``elapsed_by_kind``'s charges), largest first.
+    Under programmatic dependent launch it splits an op kind's time between its kernels (the
+    MoE's router, gate-up and down), where their durations overlap."""
+    charged = elapsed_by_kind(intervals, key=lambda name: name[:60])
+    launches: dict[str, int] = {}
+    for _, _, name in intervals:
+        launches[name[:60]] = launches.get(name[:60], 0) + 1
+    ranked = sorted(charged.items(), key=lambda item: -item[1])[:most]
+    return {name: [round(us / steps, 1), round(launches[name] / steps, 2)]
+            for name, us in ranked}
 
 
 def write_sequence(path: str, intervals, kernels_per_step: int) -> None:
@@ -202,7 +220,8 @@ def profile_steps(engine, tag: str, steps: int, out: str, unit=None) -> dict:
         "kernel_ms_per_step_by_kind": {k: round(v / steps / 1e3, 3)
                                        for k, v in sorted(by_kind.items())},
         "elapsed_ms_per_step_by_kind": {k: round(v / steps / 1e3, 3)
-                                        for k, v in sorted(elapsed.items())}}
+                                        for k, v in sorted(elapsed.items())},
+        "elapsed_us_per_step_by_kernel": elapsed_by_kernel(intervals, steps)}
 
 
 def main() -> None:

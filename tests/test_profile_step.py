@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from profile_step import elapsed_by_kind  # noqa: E402
+from profile_step import elapsed_by_kernel, elapsed_by_kind  # noqa: E402
 
 
 def test_back_to_back_and_gaps_charge_durations_and_the_gap_to_the_kernel_after():
@@ -27,3 +27,16 @@ def test_overlapping_kernels_charge_only_what_they_add_and_sum_to_the_span():
     charged = elapsed_by_kind(intervals)
     assert charged == {"gemm": 10.0, "moe": 20.0}
     assert sum(charged.values()) == pytest.approx(30.0)
+
+
+def test_elapsed_by_kernel_splits_a_kind_per_unit_largest_first():
+    """Two units of a router, a gate-up and a down (all "moe"): each kernel's charge and
+    launches per unit, the costliest first, cut to ``most``."""
+    unit = [(0.0, 4.0, "_router_kernel"), (2.0, 20.0, "_slot_gate_up_kernel"),
+            (15.0, 28.0, "_slot_down_kernel")]
+    intervals = unit + [(start + 30.0, end + 30.0, name) for start, end, name in unit]
+    assert elapsed_by_kernel(intervals, steps=2) == {
+        "_slot_gate_up_kernel": [16.0, 1.0], "_slot_down_kernel": [8.0, 1.0],
+        "_router_kernel": [5.0, 1.0]}  # (4 + 6) / 2: the second also the 2 us idle before it
+    assert list(elapsed_by_kernel(intervals, steps=2, most=1)) == ["_slot_gate_up_kernel"]
+
