@@ -58,7 +58,8 @@
 #   on the same engine (W1 batch 256 x 1,100, W2 200 x 2,000, W3 1 x 512; files in $OUT);
 #   w3-slot-tiles: W3 (with its profile) once per trial of the slot MoE's one-token entry in
 #   $SLOT_TILES (default "up=2,2048,4,1 up=1,2048,2,1"; a trial is GEMM=BLOCK_N,BLOCK_K,
-#   num_warps,num_stages, or both GEMMs joined by +, set by bench_moe.py --set-entry), logs in
+#   num_warps,num_stages, persistent=PER_SM or prefetch=1, several joined by +, set by
+#   bench_moe.py --set-entry), logs in
 #   $OUT/w3-slot-<trial>, the table restored after each; run w3 in the same call for the
 #   shipped entry;
 #   w3-gemv-tiles: W3 (with its profile) once per trial of one-row GEMV configs in

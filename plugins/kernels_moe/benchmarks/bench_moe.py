@@ -28,7 +28,8 @@ weight-streaming decode batches.
 ``--set-entry TOKENS GEMM=BLOCK_N,BLOCK_K,num_warps,num_stages[,programs_per_sm] ...`` writes
 tiles into one entry by hand (an end-to-end trial of a tile the standalone sweep did not pick;
 the entry becomes untuned), printing the entry it replaced; ``persistent=PROGRAMS_PER_SM``
-there runs the slot path's GEMMs in one persistent kernel.
+there runs the slot path's GEMMs in one persistent kernel, ``prefetch=1`` has its gate-up
+ask the L2 cache for the down's weights.
 
     python plugins/kernels_moe/benchmarks/bench_moe.py [--impl triton torch]
     python plugins/kernels_moe/benchmarks/bench_moe.py \
@@ -259,16 +260,20 @@ def parse_tile(spec: str) -> tuple[str, dict | int]:
     """``GEMM=BLOCK_N,BLOCK_K,num_warps,num_stages[,programs_per_sm]`` (GEMM ``up`` or
     ``down``) -> ``(GEMM, those fields)``; ``persistent=PROGRAMS_PER_SM`` (the slot path's
     both GEMMs in one persistent kernel; 0: two kernels) -> ``("persistent_programs_per_sm",
-    that count)``."""
+    that count)``; ``prefetch=1`` (or 0) -> ``("prefetch_down", True)``: the slot gate-up asks
+    L2 for the down's weights."""
     gemm, _, values = spec.partition("=")
     if gemm == "persistent" and values.isdigit():
         return "persistent_programs_per_sm", int(values)
+    if gemm == "prefetch" and values in ("0", "1"):
+        return "prefetch_down", values == "1"
     fields = values.split(",")
     if (gemm not in ("up", "down") or len(fields) not in (4, 5)
             or not all(f.isdigit() for f in fields)):
         raise ValueError(f"tile {spec!r}: expected up=... or down=... with BLOCK_N,BLOCK_K,"
                          f"num_warps,num_stages and optionally programs_per_sm, e.g. "
-                         f"up=2,2048,4,1 or up=1,2048,4,1,4, or persistent=PROGRAMS_PER_SM")
+                         f"up=2,2048,4,1 or up=1,2048,4,1,4, persistent=PROGRAMS_PER_SM or "
+                         f"prefetch=1")
     return gemm, dict(zip(TILE_FIELDS, map(int, fields)))
 
 

@@ -40,23 +40,27 @@ class MoeConfig:
     ``BLOCK_M`` 1 selects the small-batch path (``triton_slot_moe``): one program per slot and
     no sort; its GEMMs' ``BLOCK_N`` counts weight rows per program (``GROUP_M`` is unused).
     There ``persistent_programs_per_sm`` above 0 runs both GEMMs in one persistent kernel of at
-    most that many programs per multiprocessor, on the ``up`` tile's warps and stages."""
+    most that many programs per multiprocessor, on the ``up`` tile's warps and stages; and with
+    two kernels, ``prefetch_down`` has each gate-up tile ask the L2 cache for its share of the
+    down's weights once its own are read (``triton_slot_moe._prefetch_down_rows``)."""
 
     BLOCK_M: int
     up: GemmConfig
     down: GemmConfig
     persistent_programs_per_sm: int = 0
+    prefetch_down: bool = False
 
     @classmethod
     def from_json(cls, entry: dict) -> MoeConfig:
         return cls(entry["BLOCK_M"], GemmConfig(**entry["up"]), GemmConfig(**entry["down"]),
-                   entry.get("persistent_programs_per_sm", 0))
+                   entry.get("persistent_programs_per_sm", 0), entry.get("prefetch_down", False))
 
     def to_json(self) -> dict:
         persistent = self.persistent_programs_per_sm
         return {"BLOCK_M": self.BLOCK_M, "up": dataclasses.asdict(self.up),
                 "down": dataclasses.asdict(self.down),
-                **({"persistent_programs_per_sm": persistent} if persistent else {})}
+                **({"persistent_programs_per_sm": persistent} if persistent else {}),
+                **({"prefetch_down": True} if self.prefetch_down else {})}
 
 
 def config_path(num_experts: int, n: int, k: int, directory: Path = CONFIG_DIR) -> Path:

@@ -183,7 +183,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             expert_out = slot_moe(x, w13, w2, shared_w13, shared_w2, topk_weights, topk_ids,
                                   config)
         else:
-            hidden = slot_gate_up(x, w13, shared_w13, topk_ids, config.up)  # [S, I]
+            prefetch = (w2, shared_w2) if config.prefetch_down and x.is_cuda else None
+            hidden = slot_gate_up(x, w13, shared_w13, topk_ids, config.up, prefetch)  # [S, I]
             expert_out = slot_down(hidden, w2, shared_w2, topk_weights, topk_ids, config.down)
         return expert_out.view(tokens, top_k, hidden_size)
     sorted_slots = moe_align_triton(topk_ids, num_experts + 1, config.BLOCK_M)

@@ -29,6 +29,13 @@ waves: the last wave's release comes late) and find the multiprocessors full unt
 gate-up's programs exit; ``benchmarks/bench_pdl_launch.py`` measured the release itself
 working (a dependent entered 0.35-0.48 us after the last release, 2026-12-07, H100).
 
+Or, with the config's ``prefetch_down`` (two kernels), each gate-up tile, once its own weights
+are asked for, asks the L2 cache (evict-last) for its share of its slot's down weights
+(``_prefetch_down_rows``: ``prefetch.global.L2``, a CCTL in the SASS, no register held, nothing
+waiting for it), so that the down reads from L2. The bet: the gate-up leaves the memory bus
+idle part of the time (W3 on an H100: 15.0 us a layer for 11.3 us of weight reads), and the down
+then ends soon after it (8.4 us a layer for 5.6 us of reads). Not measured yet.
+
 An expert hit by several slots is read once per slot (from L2 after the first), so the path
 pays only while slots rarely share experts: the tuner decides up to which token count.
 Products are accumulated over ``[BLOCK_N, BLOCK_K]`` tiles in fp32 and reduced once per row at
@@ -196,16 +203,40 @@ def _await_slot(counters_ptr, slot, tiles):
         pass
 
 
+L2_LINE_BYTES = 128  # what one L2 prefetch asks for: the line that holds its address
+
+
+@triton.jit
+def _prefetch_down_rows(w2_ptr, shared_w2_ptr, ids_ptr, slot, block, num_blocks, num_experts, H,
+                        I, stride_w2_expert, LINE_ELEMS: tl.constexpr, LINES: tl.constexpr):
+    """Ask the L2 cache (evict-last) for gate-up tile ``block``'s share of the down weights of
+    its slot's expert: rows ``block * ceil(H / num_blocks) ...`` of its ``w2 [H, I]`` (rows
+    contiguous, ``LINE_ELEMS`` elements a line, ``LINES`` lines cover a share), so that the
+    down reads them from L2. Nothing waits for the lines and no register holds them: the reads
+    fill the memory bus where the gate-up leaves it idle, without taking a program's place."""
+    rows_per_block = tl.cdiv(H, num_blocks)
+    first_row = block * rows_per_block
+    span = (tl.minimum(first_row + rows_per_block, H) - first_row) * I  # elements
+    offsets = tl.minimum(tl.arange(0, LINES) * LINE_ELEMS, tl.maximum(span - 1, 0))  # [LINES]
+    ptrs = _expert_rows(w2_ptr, shared_w2_ptr, tl.load(ids_ptr + slot), num_experts,
+                        stride_w2_expert, first_row * I + offsets)
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
+                              "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def _gate_up_tiles(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr, counters_ptr, num_experts,
                    tokens, N, K, stride_x_row, stride_w_expert, stride_w_row,
                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    WHOLE_K: tl.constexpr, LOOPED: tl.constexpr, PERSISTENT: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   USE_PDL: tl.constexpr, w2_ptr, shared_w2_ptr, H, stride_w2_expert,
+                   PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
     """This program's gate-up tiles: tile ``p`` (``_slot_tile``) and, with ``LOOPED`` (fewer
     programs than tiles, ``G`` of them), tiles ``p + G, p + 2G, ...``, each tile's weights
     read while the tile before it is reduced; ``PERSISTENT``: each tile counted done
-    (``_publish``)."""
+    (``_publish``); ``PREFETCH_LINES``: with each tile, once its weights are asked for, its
+    share of the down's asked of L2 (``_prefetch_down_rows``; ``w2``, ``shared_w2``
+    ``[.., H, N]``)."""
     num_blocks = tl.cdiv(N, BLOCK_N)
     num_tiles = tokens * TOP_K * num_blocks
     slot, first_row = _slot_tile(tl.program_id(0), tokens, num_blocks, TOP_K, BLOCK_N, LOOPED)
@@ -219,29 +250,41 @@ def _gate_up_tiles(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr, counters_ptr
             next_rows, next_mask, next_ptrs, next_gate_w, next_up_w = _weight_tiles(
                 w_ptr, shared_w_ptr, tl.load(ids_ptr + next_slot), next_row,
                 num_experts, N, K, stride_w_expert, stride_w_row, BLOCK_N, BLOCK_K, GATED=True)
+            if PREFETCH_LINES:
+                _prefetch_down_rows(w2_ptr, shared_w2_ptr, ids_ptr, slot, first_row // BLOCK_N,
+                                    num_blocks, num_experts, H, N, stride_w2_expert,
+                                    LINE_ELEMS, PREFETCH_LINES)
             _gate_up_rows(x_ptr, hidden_ptr, slot, rows, row_mask, ks, gate_ptrs, gate_w, up_w, N,
                           K, stride_x_row, stride_w_row, TOP_K, BLOCK_K, WHOLE_K)
             _publish(counters_ptr, slot, PERSISTENT)
-            slot, rows, row_mask, gate_ptrs, gate_w, up_w = (next_slot, next_rows, next_mask,
-                                                              next_ptrs, next_gate_w, next_up_w)
+            slot, first_row, rows, row_mask, gate_ptrs, gate_w, up_w = (
+                next_slot, next_row, next_rows, next_mask, next_ptrs, next_gate_w, next_up_w)
+    if PREFETCH_LINES:  # issued behind the tile's own reads, before its reduction (with
+        # the reduction's registers free: 40 a thread, as without, on the one-token entry)
+        _prefetch_down_rows(w2_ptr, shared_w2_ptr, ids_ptr, slot, first_row // BLOCK_N,
+                            num_blocks, num_experts, H, N, stride_w2_expert, LINE_ELEMS,
+                            PREFETCH_LINES)
     _gate_up_rows(x_ptr, hidden_ptr, slot, rows, row_mask, ks, gate_ptrs, gate_w, up_w, N, K,
                   stride_x_row, stride_w_row, TOP_K, BLOCK_K, WHOLE_K)
     _publish(counters_ptr, slot, PERSISTENT)
 
 
 @triton.jit
-def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr, num_experts, tokens,
-                         N, K, stride_x_row, stride_w_expert, stride_w_row,
-                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         WHOLE_K: tl.constexpr, LOOPED: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+def _slot_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr, w2_ptr, shared_w2_ptr,
+                         num_experts, tokens, N, K, H, stride_x_row, stride_w_expert,
+                         stride_w_row, stride_w2_expert, TOP_K: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr,
+                         LOOPED: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+                         LINE_ELEMS: tl.constexpr, USE_PDL: tl.constexpr):
     """``hidden[s, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n])`` for slot ``s`` of token
     ``t = s // TOP_K`` routed to expert ``e`` (``num_experts``: ``shared_w``), over the tiles
     of ``_gate_up_tiles``. ``WHOLE_K``: ``BLOCK_K >= K``, the first tiles are the whole
-    rows."""
+    rows. ``PREFETCH_LINES``: each tile then asks L2 for its share of the down's weights
+    (``w2``, ``shared_w2``; else unread)."""
     _gate_up_tiles(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr, None, num_experts, tokens,
                    N, K, stride_x_row, stride_w_expert, stride_w_row, TOP_K, BLOCK_N, BLOCK_K,
-                   WHOLE_K, LOOPED, PERSISTENT=False, USE_PDL=USE_PDL)  # no counters
+                   WHOLE_K, LOOPED, False, USE_PDL, w2_ptr, shared_w2_ptr, H,
+                   stride_w2_expert, PREFETCH_LINES, LINE_ELEMS)  # no counters
 
 
 @triton.jit
@@ -306,8 +349,8 @@ def _slot_moe_kernel(x_ptr, w13_ptr, shared_w13_ptr, w2_ptr, shared_w2_ptr, ids_
     so every launch finds them zero."""
     _gate_up_tiles(x_ptr, w13_ptr, shared_w13_ptr, ids_ptr, hidden_ptr, counters_ptr,
                    num_experts, tokens, I, H, stride_x_row, stride_w13_expert, stride_w13_row,
-                   TOP_K, UP_BLOCK_N, UP_BLOCK_K, UP_WHOLE_K, LOOPED=True, PERSISTENT=True,
-                   USE_PDL=USE_PDL)
+                   TOP_K, UP_BLOCK_N, UP_BLOCK_K, UP_WHOLE_K, True, True, USE_PDL,
+                   None, None, 0, 0, 0, 0)  # looped, persistent, no prefetch
     programs = tl.num_programs(0)
     num_slots = tokens * TOP_K
     up_blocks = tl.cdiv(I, UP_BLOCK_N)
@@ -333,23 +376,35 @@ def _slot_moe_kernel(x_ptr, w13_ptr, shared_w13_ptr, w2_ptr, shared_w2_ptr, ids_
 
 
 def slot_gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor,
-                 topk_ids: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+                 topk_ids: torch.Tensor, config: GemmConfig,
+                 prefetch_down: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """GEMM 1 per slot: ``x [T, H]`` through each slot's expert of ``w13 [E, 2I, H]`` (expert
     ``E``: ``shared_w13 [2I, H]``), ``topk_ids [T, k]`` contiguous -> ``silu(gate) * up`` as
     ``hidden [T * k, I]``. One program per tile, or ``config.programs_per_sm`` per
-    multiprocessor where that is fewer."""
+    multiprocessor where that is fewer. ``prefetch_down``: the down's ``(w2 [E, H, I],
+    shared_w2 [H, I])``, rows contiguous; each tile then asks L2 for its share of them
+    (``_prefetch_down_rows``; compiled only for GPUs, never under the interpreter)."""
     tokens, top_k = topk_ids.shape
     inter = w13.shape[1] // 2
     hidden = x.new_empty(tokens * top_k, inter)
-    tiles = tokens * top_k * triton.cdiv(inter, config.BLOCK_N)
+    num_blocks = triton.cdiv(inter, config.BLOCK_N)
+    tiles = tokens * top_k * num_blocks
     programs = tiles
     if config.programs_per_sm:
         programs = min(tiles, config.programs_per_sm * multiprocessors(x.device))
+    w2, shared_w2 = prefetch_down or (None, None)
+    line_elems = L2_LINE_BYTES // x.element_size()
+    lines = 0
+    if w2 is not None:
+        share = triton.cdiv(w2.shape[1], num_blocks) * inter  # elements a tile asks for
+        lines = triton.next_power_of_2(triton.cdiv(share, line_elems))
     _slot_gate_up_kernel[(programs,)](
-        x, w13, shared_w13, topk_ids, hidden, w13.shape[0], tokens, inter, x.shape[1],
-        x.stride(0), w13.stride(0), w13.stride(1), TOP_K=top_k,
+        x, w13, shared_w13, topk_ids, hidden, w2, shared_w2, w13.shape[0], tokens, inter,
+        x.shape[1], 0 if w2 is None else w2.shape[1], x.stride(0), w13.stride(0),
+        w13.stride(1), 0 if w2 is None else w2.stride(0), TOP_K=top_k,
         BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, WHOLE_K=config.BLOCK_K >= x.shape[1],
-        LOOPED=programs < tiles, num_warps=config.num_warps, num_stages=config.num_stages,
+        LOOPED=programs < tiles, PREFETCH_LINES=lines, LINE_ELEMS=line_elems,
+        num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_arguments(x.device, tokens))
     return hidden
 

@@ -21,7 +21,8 @@ def test_set_entry_rewrites_one_entry_of_a_table(tmp_path):
     shutil.copy(config_path(EXPERTS, 2 * INTER, HIDDEN), path)
     before = json.loads(path.read_text())
 
-    replaced = set_entry(1, ["up=2,2048,4,1,3", "down=8,512,2,1", "persistent=6"], path)
+    replaced = set_entry(1, ["up=2,2048,4,1,3", "down=8,512,2,1", "persistent=6", "prefetch=1"],
+                         path)
 
     after = json.loads(path.read_text())
     assert replaced == before["configs"]["1"]
@@ -33,7 +34,7 @@ def test_set_entry_rewrites_one_entry_of_a_table(tmp_path):
     assert table[1].up == GemmConfig(2, 2048, replaced["up"]["GROUP_M"], 4, 1,
                                      programs_per_sm=3)
     assert table[1].down == GemmConfig(8, 512, replaced["down"]["GROUP_M"], 2, 1)
-    assert table[1].persistent_programs_per_sm == 6
+    assert table[1].persistent_programs_per_sm == 6 and table[1].prefetch_down
     assert {k: v for k, v in after["configs"].items() if k != "1"} == \
         {k: v for k, v in before["configs"].items() if k != "1"}
     assert {k: v for k, v in after.items() if k != "configs"} == \

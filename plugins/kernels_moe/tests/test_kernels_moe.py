@@ -18,6 +18,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -53,6 +55,8 @@ FORCED = {  # every BLOCK_M, and tiles that leave partial column / K tiles
     "m64": MoeConfig(64, GemmConfig(128, 64), GemmConfig(256, 64, 8, 8, 3)),
     "m128": MoeConfig(128, GemmConfig(64, 64, 1, 8, 4), GemmConfig(128, 32, 1, 8, 4)),
     "m1-persistent": MoeConfig(1, GemmConfig(4, 512), GemmConfig(16, 128), 8),
+    "m1-prefetch": MoeConfig(1, GemmConfig(16, 128, num_stages=2), GemmConfig(32, 128, 1, 8, 1),
+                             prefetch_down=True),
 }
 # name -> (tokens, experts, top_k, hidden, intermediate, skew)
 TINY = {
@@ -169,6 +173,21 @@ def test_every_table_entry(max_tokens):
 @pytest.mark.parametrize("config", FORCED.values(), ids=FORCED.keys())
 def test_forced_configs(config, tokens):
     check_parity(moe_inputs(tokens, 64, 512, 200, 4, device="cuda"), config)
+
+
+@cuda
+def test_slot_prefetch_down_changes_no_bit():
+    """The gate-up asking L2 for the down's weights (``prefetch_down``) at one token of
+    Qwen3.5-35B-A3B, on the shipped entry's tiles: the bits of the entry without it."""
+    from qllm_kernels_moe.triton_moe import fused_moe_triton
+
+    experts, top_k, hidden, inter = GPU_SHAPES["35b-a3b"]
+    config = load_table(experts, 2 * inter, hidden)[1]
+    prefetching = dataclasses.replace(config, prefetch_down=True)
+    for seed in range(3):
+        inputs = moe_inputs(1, experts, hidden, inter, top_k, device="cuda", seed=seed)
+        assert torch.equal(fused_moe_triton(*inputs, config=prefetching),
+                           fused_moe_triton(*inputs, config=config)), f"seed {seed}"
 
 
 @cuda
@@ -462,6 +481,36 @@ def test_pdl_sass(op, monkeypatch):
     instruction."""
     assert_pdl_sass(_pdl_launch(op), monkeypatch, reads_before_wait=op != "router",
                     releases_after_wait={"_slot_gate_up_kernel", "_slot_moe_kernel"})
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_prefetch_down_sass():
+    """The slot gate-up of the one-token entry, compiled for sm_90 as launched, with and
+    without ``prefetch_down``: with it, an L2 prefetch (CCTL) and no more registers (its
+    residency unchanged); without, none."""
+    from qllm.testing.sm90 import (captured_launches, compile_for_sm90, resource_usage,
+                                   sass_instructions, sm90_compiler_missing)
+    from qllm_kernels_moe.triton_slot_moe import slot_gate_up
+
+    if sm90_compiler_missing():
+        pytest.skip(sm90_compiler_missing())
+    experts, top_k, hidden, inter = GPU_SHAPES["35b-a3b"]
+    up = load_table(experts, 2 * inter, hidden)[1].up
+    x, w13, shared_w13 = _meta(1, hidden), _meta(experts, 2 * inter, hidden), \
+        _meta(2 * inter, hidden)
+    ids = _meta(1, top_k + 1, dtype=torch.int64)
+    down_weights = (_meta(experts, hidden, inter), _meta(hidden, inter))
+    compiled = {}
+    for prefetch in (None, down_weights):
+        (launch,) = captured_launches(lambda: slot_gate_up(x, w13, shared_w13, ids, up,
+                                                           prefetch))
+        kernel = compile_for_sm90(launch.kernel, launch.args, launch.options)
+        opcodes = [opcode for _, opcode, _ in sass_instructions(kernel)]
+        compiled[prefetch is not None] = (resource_usage(kernel), opcodes)
+    (plain, plain_ops), (prefetching, prefetching_ops) = compiled[False], compiled[True]
+    assert not any(op.startswith("CCTL") for op in plain_ops)
+    assert "CCTL.E.PML2" in prefetching_ops, sorted(set(prefetching_ops))
+    assert prefetching["registers"] <= plain["registers"] and not prefetching["spill_bytes"]
 
 
 test_triton_interpreter = interpreter_driver(__file__)
