@@ -106,7 +106,8 @@ def _first_weight_tiles(w_ptr, shared_w_ptr, ids_ptr, slot, first_row, num_exper
     the id past the L1 cache. Without (the gate-up, right after the router): a token's last
     slot reads the shared weights' tile before the wait, kept where its id confirms the guess,
     every other tile after it, and the next kernel may launch only after the wait. Returns
-    ``(rows, row_mask, ks [BK], w_ptrs, tile, up_tile)`` as ``_weight_tiles``."""
+    ``(rows, row_mask, ks [BK], w_ptrs, tile, up_tile)`` as ``_weight_tiles``, then the slot's
+    expert id."""
     ks = tl.arange(0, BLOCK_K)
     if IDS_BEFORE_WAIT:
         pdl_release(USE_PDL)
@@ -135,7 +136,7 @@ def _first_weight_tiles(w_ptr, shared_w_ptr, ids_ptr, slot, first_row, num_exper
         up_tile = tile
         if GATED:
             up_tile = tl.load(w_ptrs + N * stride_w_row, mask=late, other=early_up)
-    return rows, row_mask, ks, w_ptrs, tile, up_tile
+    return rows, row_mask, ks, w_ptrs, tile, up_tile, expert
 
 
 @triton.jit
@@ -207,10 +208,10 @@ L2_LINE_BYTES = 128  # what one L2 prefetch asks for: the line that holds its ad
 
 
 @triton.jit
-def _prefetch_down_rows(w2_ptr, shared_w2_ptr, ids_ptr, slot, block, num_blocks, num_experts, H,
-                        I, stride_w2_expert, LINE_ELEMS: tl.constexpr, LINES: tl.constexpr):
+def _prefetch_down_rows(w2_ptr, shared_w2_ptr, expert, block, num_blocks, num_experts, H, I,
+                        stride_w2_expert, LINE_ELEMS: tl.constexpr, LINES: tl.constexpr):
     """Ask the L2 cache (evict-last) for gate-up tile ``block``'s share of the down weights of
-    its slot's expert: rows ``block * ceil(H / num_blocks) ...`` of its ``w2 [H, I]`` (rows
+    its slot's expert ``expert``: rows ``block * ceil(H / num_blocks) ...`` of its ``w2 [H, I]`` (rows
     contiguous, ``LINE_ELEMS`` elements a line, ``LINES`` lines cover a share), so that the
     down reads them from L2. Nothing waits for the lines and no register holds them: the reads
     fill the memory bus where the gate-up leaves it idle, without taking a program's place."""
@@ -218,8 +219,8 @@ def _prefetch_down_rows(w2_ptr, shared_w2_ptr, ids_ptr, slot, block, num_blocks,
     first_row = block * rows_per_block
     span = (tl.minimum(first_row + rows_per_block, H) - first_row) * I  # elements
     offsets = tl.minimum(tl.arange(0, LINES) * LINE_ELEMS, tl.maximum(span - 1, 0))  # [LINES]
-    ptrs = _expert_rows(w2_ptr, shared_w2_ptr, tl.load(ids_ptr + slot), num_experts,
-                        stride_w2_expert, first_row * I + offsets)
+    ptrs = _expert_rows(w2_ptr, shared_w2_ptr, expert, num_experts, stride_w2_expert,
+                        first_row * I + offsets)
     tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
                               "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
@@ -240,28 +241,30 @@ def _gate_up_tiles(x_ptr, w_ptr, shared_w_ptr, ids_ptr, hidden_ptr, counters_ptr
     num_blocks = tl.cdiv(N, BLOCK_N)
     num_tiles = tokens * TOP_K * num_blocks
     slot, first_row = _slot_tile(tl.program_id(0), tokens, num_blocks, TOP_K, BLOCK_N, LOOPED)
-    rows, row_mask, ks, gate_ptrs, gate_w, up_w = _first_weight_tiles(
+    rows, row_mask, ks, gate_ptrs, gate_w, up_w, expert = _first_weight_tiles(
         w_ptr, shared_w_ptr, ids_ptr, slot, first_row, num_experts, N, K, stride_w_expert,
         stride_w_row, TOP_K, BLOCK_N, BLOCK_K, GATED=True, IDS_BEFORE_WAIT=False,
         USE_PDL=USE_PDL)  # gate_ptrs, gate_w, up_w: [BN, BK]; x: the norm's
     if LOOPED:  # compiled out where each program has one tile (half the registers)
         for tile in range(tl.program_id(0) + tl.num_programs(0), num_tiles, tl.num_programs(0)):
             next_slot, next_row = _slot_tile(tile, tokens, num_blocks, TOP_K, BLOCK_N, LOOPED)
+            next_expert = tl.load(ids_ptr + next_slot)
             next_rows, next_mask, next_ptrs, next_gate_w, next_up_w = _weight_tiles(
-                w_ptr, shared_w_ptr, tl.load(ids_ptr + next_slot), next_row,
-                num_experts, N, K, stride_w_expert, stride_w_row, BLOCK_N, BLOCK_K, GATED=True)
+                w_ptr, shared_w_ptr, next_expert, next_row, num_experts, N, K, stride_w_expert,
+                stride_w_row, BLOCK_N, BLOCK_K, GATED=True)
             if PREFETCH_LINES:
-                _prefetch_down_rows(w2_ptr, shared_w2_ptr, ids_ptr, slot, first_row // BLOCK_N,
+                _prefetch_down_rows(w2_ptr, shared_w2_ptr, expert, first_row // BLOCK_N,
                                     num_blocks, num_experts, H, N, stride_w2_expert,
                                     LINE_ELEMS, PREFETCH_LINES)
             _gate_up_rows(x_ptr, hidden_ptr, slot, rows, row_mask, ks, gate_ptrs, gate_w, up_w, N,
                           K, stride_x_row, stride_w_row, TOP_K, BLOCK_K, WHOLE_K)
             _publish(counters_ptr, slot, PERSISTENT)
-            slot, first_row, rows, row_mask, gate_ptrs, gate_w, up_w = (
-                next_slot, next_row, next_rows, next_mask, next_ptrs, next_gate_w, next_up_w)
+            slot, expert, first_row, rows, row_mask, gate_ptrs, gate_w, up_w = (
+                next_slot, next_expert, next_row, next_rows, next_mask, next_ptrs, next_gate_w,
+                next_up_w)
     if PREFETCH_LINES:  # issued behind the tile's own reads, before its reduction (with
         # the reduction's registers free: 40 a thread, as without, on the one-token entry)
-        _prefetch_down_rows(w2_ptr, shared_w2_ptr, ids_ptr, slot, first_row // BLOCK_N,
+        _prefetch_down_rows(w2_ptr, shared_w2_ptr, expert, first_row // BLOCK_N,
                             num_blocks, num_experts, H, N, stride_w2_expert, LINE_ELEMS,
                             PREFETCH_LINES)
     _gate_up_rows(x_ptr, hidden_ptr, slot, rows, row_mask, ks, gate_ptrs, gate_w, up_w, N, K,
@@ -321,7 +324,7 @@ def _slot_down_kernel(hidden_ptr, w_ptr, shared_w_ptr, ids_ptr, routing_weights_
     to expert ``e`` (``num_experts``: ``shared_w``); ``round`` to ``out``'s dtype. ``WHOLE_K``:
     ``BLOCK_K >= K``, the first tile is the whole row."""
     slot = tl.program_id(0)
-    rows, row_mask, ks, w_ptrs, w, _ = _first_weight_tiles(
+    rows, row_mask, ks, w_ptrs, w, _, _ = _first_weight_tiles(
         w_ptr, shared_w_ptr, ids_ptr, slot, tl.program_id(1) * BLOCK_N, num_experts, N, K,
         stride_w_expert, stride_w_row, TOP_K, BLOCK_N, BLOCK_K, GATED=False,
         IDS_BEFORE_WAIT=True, USE_PDL=USE_PDL)  # w_ptrs, w: [BN, BK]; hidden: the gate-up's
